@@ -1,0 +1,35 @@
+# The README's commands call these targets. Everything installs into .venv.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: venv install test example bench lint clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	# torch first and pinned: an unpinned torch would pull a multi-GB CUDA build
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e ".[test,bench,msc]"
+	touch $(STAMP)
+
+install: venv
+
+test: venv
+	$(PY) -m pytest -q -ra $(PYTEST_ARGS)
+
+example: venv
+	$(PY) examples/train_loop.py --root checkpoints/example --fresh
+	$(PY) examples/train_loop.py --root checkpoints/example --steps 300
+
+bench: venv
+	$(PY) benchmarks/bench_save.py --out bench_out/bench.json --plot bench_out/bench.png
+
+lint: venv
+	$(PY) -m compileall -q asyncckpt worker tests examples benchmarks
+
+clean:
+	rm -rf $(VENV) checkpoints bench_out

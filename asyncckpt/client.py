@@ -1,0 +1,160 @@
+"""WorkerClient: spawns the worker, talks to it, and notices when it dies.
+
+Every wait here is bounded and checks the worker's liveness, so a dead or stuck worker becomes a
+CheckpointError instead of a hang.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import time
+from typing import Optional
+
+import torch.multiprocessing as tmp
+
+from .errors import CheckpointTimeoutError, WorkerDiedError
+from .protocol import SaveRequest, Shutdown, WorkerSettings
+
+log = logging.getLogger(__name__)
+
+POLL_SLICE_S = 0.05
+_spawn_lock = threading.Lock()
+
+
+class WorkerClient:
+    def __init__(self, settings: WorkerSettings) -> None:
+        self.settings = settings
+        self._process = None
+        self._conn = None
+        self._inbox: list = []
+
+    # lifecycle -----------------------------------------------------------------------------
+    def start(self) -> None:
+        from worker.main import run  # the one place the trainer names the worker's entry point
+
+        ctx = tmp.get_context("spawn")
+        parent_conn, child_conn = ctx.Pipe(duplex=True)
+        process = ctx.Process(
+            target=run, args=(child_conn, self.settings), name=f"asyncckpt-worker-{self.settings.rank}", daemon=True
+        )
+        with _spawn_lock, _main_module_hidden():
+            process.start()
+        child_conn.close()  # so a dead worker shows up as EOF on our end
+        self._process, self._conn, self._inbox = process, parent_conn, []
+        log.debug("started worker pid %d for rank %d", process.pid, self.settings.rank)
+
+    @property
+    def pid(self) -> Optional[int]:
+        return self._process.pid if self._process is not None else None
+
+    def is_alive(self) -> bool:
+        return self._process is not None and self._process.is_alive()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Ask the worker to exit; kill it if it does not within `timeout_s`."""
+        process, conn = self._process, self._conn
+        self._process, self._conn, self._inbox = None, None, []
+        if process is None:
+            return
+        if process.is_alive():
+            try:
+                conn.send(Shutdown())
+            except (OSError, EOFError):
+                pass
+            process.join(timeout_s)
+        if process.is_alive():
+            log.warning("worker pid %d did not exit in %.0fs; killing it", process.pid, timeout_s)
+            process.kill()
+            process.join(5)
+        conn.close()
+        process.close()
+
+    def kill(self) -> None:
+        """Stop the worker now, without waiting for what it is doing."""
+        if self._process is not None and self._process.is_alive():
+            self._process.kill()
+        self.stop(timeout_s=5)
+
+    # messages ------------------------------------------------------------------------------
+    def send(self, request: SaveRequest) -> None:
+        if not self.is_alive():
+            raise self._died("before the request could be sent")
+        try:
+            self._conn.send(request)
+        except (OSError, EOFError) as exc:
+            raise self._died(f"while sending the request ({exc})") from exc
+
+    def take(self, save_id: int, kinds: tuple[type, ...], timeout_s: Optional[float]) -> Optional[object]:
+        """Return the first message for `save_id` of one of `kinds`, waiting at most `timeout_s`
+        (0: do not wait; None is not allowed: every wait is bounded). Returns None on timeout 0;
+        raises CheckpointTimeoutError past a positive timeout and WorkerDiedError if the worker
+        exits first."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            for i, message in enumerate(self._inbox):
+                if getattr(message, "save_id", None) == save_id and isinstance(message, kinds):
+                    return self._inbox.pop(i)
+            remaining = deadline - time.monotonic()
+            if not self._receive(min(max(remaining, 0.0), POLL_SLICE_S)):
+                if timeout_s == 0:
+                    return None
+                if remaining <= 0:
+                    names = "/".join(k.__name__ for k in kinds)
+                    raise CheckpointTimeoutError(
+                        f"rank {self.settings.rank}: no {names} from worker pid {self.pid} within {timeout_s:.1f}s"
+                    )
+
+    def _receive(self, wait_s: float) -> bool:
+        """Move one message into the inbox; False if none came within `wait_s`."""
+        if self._conn is None:
+            raise self._died("(no worker running)")
+        try:
+            if not self._conn.poll(wait_s):
+                if not self._process.is_alive():
+                    raise self._died("")
+                return False
+            self._inbox.append(self._conn.recv())
+            return True
+        except (EOFError, OSError) as exc:
+            raise self._died("") from exc
+
+    def _died(self, when: str) -> WorkerDiedError:
+        process = self._process
+        code = None
+        if process is not None:
+            process.join(1)
+            code = process.exitcode
+        reason = f"exit code {code}" if code is None or code >= 0 else f"killed by signal {-code}"
+        pid = process.pid if process is not None else None
+        return WorkerDiedError(f"rank {self.settings.rank}: checkpoint worker pid {pid} died ({reason}) {when}".rstrip())
+
+
+class _main_module_hidden:
+    """Start the worker without re-importing the user's __main__ in it.
+
+    spawn normally re-runs the training script's top level inside the child, which would start
+    training there (or fail without an `if __name__ == "__main__"` guard). The worker needs none of
+    it: its entry point and messages live in importable modules.
+    """
+
+    def __enter__(self):
+        self.main = sys.modules.get("__main__")
+        self.saved = {}
+        for name in ("__file__", "__spec__"):
+            if self.main is not None and hasattr(self.main, name):
+                self.saved[name] = getattr(self.main, name)
+        if "__file__" in self.saved:
+            del self.main.__file__
+        if "__spec__" in self.saved:
+            self.main.__spec__ = None
+        return self
+
+    def __exit__(self, *exc):
+        for name, value in self.saved.items():
+            setattr(self.main, name, value)
+        return False
+
+

@@ -1,0 +1,93 @@
+"""The commit: turn finished writes into a checkpoint that exists.
+
+Order matters and is the whole guarantee: data files are fsynced by the writers; here the
+checksums sidecar is published, the directory synced, then `.metadata` is published atomically
+(that is the commit), then `latest` moves, then retention runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import pickle
+import uuid
+
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+from .formats import CHECKSUMS_FILE, ItemChecksum, encode_checksums
+from .loading import LATEST_FILE, METADATA_FILE, list_checkpoints, read_latest_marker
+from .protocol import ItemWritten
+from .storage import Storage
+
+log = logging.getLogger(__name__)
+
+DCP_VERSION = "1.0.0"
+
+
+def commit_checkpoint(
+    storage: Storage, step_dir: str, metadata: Metadata, written: list[ItemWritten], fsync: bool
+) -> None:
+    """Write the sidecar and `.metadata` for a save whose data files are all durable."""
+    storage_data = {w.index: _StorageInfo(w.relative_path, w.offset, w.length) for w in written}
+    final = dataclasses.replace(
+        metadata,
+        storage_data=storage_data,
+        storage_meta=StorageMeta(checkpoint_id=step_dir, save_id=uuid.uuid4().hex),
+        version=DCP_VERSION,
+    )
+    checksums = [
+        ItemChecksum(
+            w.index.fqn,
+            tuple(w.index.offset) if w.index.offset is not None else None,
+            w.relative_path,
+            w.offset,
+            w.length,
+            w.crc32,
+        )
+        for w in written
+        if w.crc32 is not None
+    ]
+    if checksums:
+        storage.write_atomic(storage.join(step_dir, CHECKSUMS_FILE), encode_checksums(checksums), fsync=fsync)
+    if fsync:
+        storage.sync_dir(step_dir)  # every data file's entry is durable before the commit
+    storage.write_atomic(storage.join(step_dir, METADATA_FILE), pickle.dumps(final), fsync=fsync)
+
+
+def move_latest(storage: Storage, root: str, step_dir_name: str, fsync: bool) -> None:
+    storage.write_atomic(storage.join(root, LATEST_FILE), f"{step_dir_name}\n".encode(), fsync=fsync)
+
+
+def apply_retention(storage: Storage, root: str, keep_last: int | None) -> list[str]:
+    """Delete committed checkpoints beyond the newest `keep_last`. Uncommitted (in-flight or torn)
+    directories are never touched here, nor is the one `latest` names. Returns deleted names."""
+    if keep_last is None:
+        return []
+    committed = [c for c in list_checkpoints(root, storage) if c.committed]
+    protected = read_latest_marker(root, storage)
+    deleted = []
+    for info in committed[: max(len(committed) - keep_last, 0)]:
+        if info.name == protected:
+            continue
+        # un-commit first, so a crash mid-delete leaves a torn directory, never a broken checkpoint
+        storage.remove_file(storage.join(info.path, METADATA_FILE))
+        storage.remove_tree(info.path)
+        deleted.append(info.name)
+    if deleted:
+        log.debug("retention removed %s", ", ".join(deleted))
+    return deleted
+
+
+def uncommit(storage: Storage, root: str, step_dir: str, name: str, fsync: bool) -> None:
+    """Make an existing step directory safe to write again: if `latest` names it, point `latest`
+    at the newest other committed checkpoint first; then remove its `.metadata` and old files."""
+    if read_latest_marker(root, storage) == name:
+        others = [c for c in list_checkpoints(root, storage) if c.committed and c.name != name]
+        if others:
+            move_latest(storage, root, others[-1].name, fsync)
+        else:
+            storage.remove_file(storage.join(root, LATEST_FILE))
+    storage.remove_file(storage.join(step_dir, METADATA_FILE))
+    for entry in storage.list_dir(step_dir):
+        storage.remove_file(storage.join(step_dir, entry))

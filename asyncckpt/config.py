@@ -1,0 +1,85 @@
+"""CheckpointConfig: every knob in one frozen dataclass, validated when it is built."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, Callable, Optional
+
+_CHOICES = {
+    "io": ("thread", "process"),
+    "staging": ("eager", "lazy"),
+    "format": ("torch_save", "safetensors"),
+    "worker_ionice": (None, "idle", "best-effort"),
+}
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """How saves are staged, written and kept.
+
+    io: "thread" writes buckets with threads inside the worker; "process" forks one writer child
+        per bucket.
+    io_workers: buckets (files), and threads or child processes, per rank.
+    staging: "eager" makes schedule_save return once the snapshot is staged; "lazy" returns at once
+        and `wait_staged()` / `guard(optimizer)` block before the state may change.
+    cache_structure: send only a structure key to the worker when nothing was reallocated.
+    format: "torch_save" (stock DCP reader) or "safetensors" (one safetensors file per bucket).
+    fsync: fsync every data file, the metadata and the directories.
+    checksums: record a CRC32 per item, checked by `load(..., verify=True)` and `verify`.
+    keep_last: keep this many newest committed checkpoints (None keeps all).
+    timeout_s: bound on waiting for staging and, separately, for the writes of one save.
+    worker_nice: nice increment for the worker (None leaves it as the trainer's).
+    worker_ionice: "idle" or "best-effort" I/O class for the worker, where the OS allows.
+    separation_hint: item names starting with this prefix go into files of their own.
+    staging_budget_bytes: stage and write in chunks of at most this many bytes (None: whole state).
+    metrics_path: append one JSON line per committed save to this file.
+    on_commit: called with the SaveReport of every committed save.
+    """
+
+    io: str = "thread"
+    io_workers: int = 4
+    staging: str = "eager"
+    cache_structure: bool = True
+    format: str = "torch_save"
+    fsync: bool = True
+    checksums: bool = True
+    keep_last: Optional[int] = None
+    timeout_s: float = 600.0
+    worker_nice: Optional[int] = 10
+    worker_ionice: Optional[str] = "idle"
+    separation_hint: Optional[str] = None
+    staging_budget_bytes: Optional[int] = None
+    metrics_path: Optional[str] = None
+    on_commit: Optional[Callable[[Any], None]] = None
+
+    def __post_init__(self) -> None:
+        for name, allowed in _CHOICES.items():
+            value = getattr(self, name)
+            if value not in allowed:
+                raise ValueError(f"CheckpointConfig.{name}={value!r} is not one of {allowed}")
+        _require_int(self, "io_workers", minimum=1)
+        if self.keep_last is not None:
+            _require_int(self, "keep_last", minimum=1)
+        if self.staging_budget_bytes is not None:
+            _require_int(self, "staging_budget_bytes", minimum=1 << 20)
+        if self.worker_nice is not None:
+            _require_int(self, "worker_nice", minimum=0)
+        if not isinstance(self.timeout_s, (int, float)) or isinstance(self.timeout_s, bool) or self.timeout_s <= 0:
+            raise ValueError(f"CheckpointConfig.timeout_s={self.timeout_s!r} must be a positive number of seconds")
+        for name in ("cache_structure", "fsync", "checksums"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"CheckpointConfig.{name}={getattr(self, name)!r} must be True or False")
+        if self.separation_hint is not None and not (isinstance(self.separation_hint, str) and self.separation_hint):
+            raise ValueError(f"CheckpointConfig.separation_hint={self.separation_hint!r} must be a non-empty string")
+        if self.on_commit is not None and not callable(self.on_commit):
+            raise ValueError("CheckpointConfig.on_commit must be callable")
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))
+
+
+def _require_int(config: CheckpointConfig, name: str, minimum: int) -> None:
+    value = getattr(config, name)
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"CheckpointConfig.{name}={value!r} must be an integer >= {minimum}")

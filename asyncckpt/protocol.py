@@ -1,0 +1,125 @@
+"""Messages that cross the trainer/worker boundary. Each is a dataclass; nothing rides in tuples.
+
+Flow for one save: the trainer sends `SaveRequest`; the worker answers `Staged` once its copy
+is taken (the trainer may mutate its tensors from then on), then `WriteDone` or `SaveFailed`.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from torch.distributed.checkpoint.metadata import MetadataIndex
+
+TENSOR = "tensor"
+BYTES = "bytes"
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    """Sent once, when the worker is spawned."""
+
+    rank: int
+    parent_pid: int
+    log_level: int = logging.WARNING
+    nice: Optional[int] = None
+    ionice: Optional[str] = None
+    cuda_device: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class ItemSpec:
+    """One plan item: a tensor chunk or a pickled object, addressed by DCP's MetadataIndex."""
+
+    index: MetadataIndex
+    kind: str  # TENSOR or BYTES
+    dtype: Optional[torch.dtype] = None
+    shape: tuple[int, ...] = ()
+
+    @property
+    def nbytes(self) -> int:
+        if self.kind != TENSOR:
+            return 0
+        numel = 1
+        for dim in self.shape:
+            numel *= dim
+        return numel * torch.empty((), dtype=self.dtype).element_size()
+
+
+@dataclass(frozen=True)
+class WriteOptions:
+    """How the worker lays out and writes one save."""
+
+    io: str = "thread"
+    io_workers: int = 4
+    format: str = "torch_save"
+    fsync: bool = True
+    checksums: bool = True
+    separation_hint: Optional[str] = None
+    staging_budget_bytes: Optional[int] = None
+
+
+@dataclass
+class SaveRequest:
+    """Trainer -> worker. `items` travels only with a new structure; `fresh_tensors` carries the
+    tensors the worker does not hold yet (by item position), `byte_items` every pickled object."""
+
+    save_id: int
+    step: int
+    checkpoint_dir: str
+    structure_key: str
+    options: WriteOptions
+    items: Optional[tuple[ItemSpec, ...]] = None
+    fresh_tensors: dict[int, torch.Tensor] = field(default_factory=dict)
+    byte_items: dict[int, bytes] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    """Trainer -> worker: finish nothing new, exit the serve loop."""
+
+
+@dataclass(frozen=True)
+class Staged:
+    """Worker -> trainer: the snapshot is copied; the trainer's tensors are free again."""
+
+    save_id: int
+    staging_s: float
+    staged_bytes: int
+    cache_hit: bool
+    worker_pid: int
+
+
+@dataclass(frozen=True)
+class ItemWritten:
+    """Where one item landed: DCP's (relative_path, offset, length), plus its checksum."""
+
+    index: MetadataIndex
+    relative_path: str
+    offset: int
+    length: int
+    crc32: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class WriteDone:
+    """Worker -> trainer: every file of the save is written (and fsynced if asked)."""
+
+    save_id: int
+    items: tuple[ItemWritten, ...]
+    files: tuple[str, ...]
+    bytes_written: int
+    write_s: float
+
+
+@dataclass(frozen=True)
+class SaveFailed:
+    """Worker -> trainer: the save failed in `phase` ("cache", "staging", "write"); `path` names
+    the file when one was involved. The worker keeps serving."""
+
+    save_id: int
+    phase: str
+    message: str
+    path: Optional[str] = None

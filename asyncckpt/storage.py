@@ -1,0 +1,214 @@
+"""Where checkpoint bytes live, behind one small interface.
+
+`LocalStorage` uses plain `os` calls with the full fsync discipline. Object stores (msc://, s3://)
+plug in behind the same methods; `storage_for(path)` picks the backend from the path.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+from abc import ABC, abstractmethod
+from typing import Optional
+
+from .errors import CheckpointError
+
+
+class WriteHandle(ABC):
+    """A data file being written. Its bytes count only after `commit()`; `abort()` removes it."""
+
+    path: str
+
+    @abstractmethod
+    def write(self, data) -> int:
+        """Append bytes (any buffer); return how many were written."""
+
+    @abstractmethod
+    def commit(self) -> None:
+        """Make the file complete and durable (flush, fsync when asked, close)."""
+
+    @abstractmethod
+    def abort(self) -> None:
+        """Close and delete the partial file. Never raises."""
+
+
+class Storage(ABC):
+    """Operations the checkpointer and the worker need, each with one meaning on every backend."""
+
+    @abstractmethod
+    def join(self, *parts: str) -> str:
+        """Join path parts the way this backend spells paths."""
+
+    @abstractmethod
+    def prepare_dir(self, path: str) -> None:
+        """Create `path` (and parents) and prove it can be written; CheckpointError if not.
+        Called before any work of a save is handed off."""
+
+    @abstractmethod
+    def create(self, path: str, fsync: bool = True) -> WriteHandle:
+        """Open a data file for writing from the start."""
+
+    @abstractmethod
+    def write_atomic(self, path: str, data: bytes, fsync: bool = True) -> None:
+        """Publish a small file whole or not at all: readers see the old state or the new bytes."""
+
+    @abstractmethod
+    def read_bytes(self, path: str, offset: int = 0, length: Optional[int] = None) -> bytes:
+        """Read a whole file or a byte range of it."""
+
+    @abstractmethod
+    def exists(self, path: str) -> bool:
+        """True when a file exists at `path`."""
+
+    @abstractmethod
+    def is_dir(self, path: str) -> bool:
+        """True for a real directory (or prefix holding keys); False for a symlink."""
+
+    @abstractmethod
+    def list_dir(self, path: str) -> list[str]:
+        """Names directly inside `path` (files and directories), dot-files included."""
+
+    @abstractmethod
+    def size(self, path: str) -> int:
+        """Size of a file in bytes."""
+
+    @abstractmethod
+    def remove_file(self, path: str) -> None:
+        """Delete one file if it exists."""
+
+    @abstractmethod
+    def remove_tree(self, path: str) -> None:
+        """Delete a checkpoint directory and everything in it, never following a symlink."""
+
+    @abstractmethod
+    def sync_dir(self, path: str) -> None:
+        """Make the directory's entries durable (a no-op where the backend has no directories)."""
+
+
+class _LocalFile(WriteHandle):
+    def __init__(self, path: str, fsync: bool) -> None:
+        self.path = path
+        self._fsync = fsync
+        self._file = open(path, "wb", buffering=0)
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        written = 0
+        while written < len(view):  # a raw file may write less than asked
+            written += self._file.write(view[written:])
+        return written
+
+    def commit(self) -> None:
+        if self._fsync:
+            os.fsync(self._file.fileno())
+        self._file.close()
+
+    def abort(self) -> None:
+        try:
+            self._file.close()
+        finally:
+            try:
+                os.unlink(self.path)
+            except OSError:
+                pass
+
+
+class LocalStorage(Storage):
+    """A local (or network-mounted) filesystem."""
+
+    def join(self, *parts: str) -> str:
+        return os.path.join(*parts)
+
+    def prepare_dir(self, path: str) -> None:
+        try:
+            os.makedirs(path, exist_ok=True)
+            probe = os.path.join(path, f".asyncckpt-probe-{os.getpid()}")
+            with open(probe, "wb"):
+                pass
+            os.unlink(probe)
+        except OSError as exc:
+            reason = os.strerror(exc.errno) if exc.errno else str(exc)
+            if isinstance(exc, (NotADirectoryError, FileExistsError)):
+                reason = "a path component is a file, not a directory"
+            raise CheckpointError(f"checkpoint directory {path!r} is not writable: {reason}") from exc
+
+    def create(self, path: str, fsync: bool = True) -> WriteHandle:
+        return _LocalFile(path, fsync)
+
+    def write_atomic(self, path: str, data: bytes, fsync: bool = True) -> None:
+        directory = os.path.dirname(path) or "."
+        tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp-{os.getpid()}")
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                if fsync:
+                    os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+        if fsync:
+            self.sync_dir(directory)
+
+    def read_bytes(self, path: str, offset: int = 0, length: Optional[int] = None) -> bytes:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            return f.read() if length is None else f.read(length)
+
+    def exists(self, path: str) -> bool:
+        return os.path.isfile(path)
+
+    def is_dir(self, path: str) -> bool:
+        return os.path.isdir(path) and not os.path.islink(path)
+
+    def list_dir(self, path: str) -> list[str]:
+        try:
+            return sorted(os.listdir(path))
+        except FileNotFoundError:
+            return []
+
+    def size(self, path: str) -> int:
+        return os.path.getsize(path)
+
+    def remove_file(self, path: str) -> None:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+    def remove_tree(self, path: str) -> None:
+        if os.path.islink(path):
+            raise CheckpointError(f"refusing to delete {path!r}: it is a symlink")
+        shutil.rmtree(path, ignore_errors=False, onerror=_ignore_missing)
+
+    def sync_dir(self, path: str) -> None:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _ignore_missing(func, path, exc_info) -> None:
+    exc = exc_info[1]
+    if isinstance(exc, OSError) and exc.errno == errno.ENOENT:
+        return
+    raise exc
+
+
+def is_remote(path: str) -> bool:
+    return "://" in str(path)
+
+
+def storage_for(path: str) -> Storage:
+    """The backend for a checkpoint root or directory."""
+    if is_remote(path):
+        raise CheckpointError(
+            f"{path!r}: object-store roots (msc://, s3://) are not supported yet; use a local path"
+        )
+    return LocalStorage()

@@ -1,0 +1,1 @@
+"""Code that runs only inside the spawned checkpoint worker process."""

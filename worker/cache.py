@@ -1,0 +1,58 @@
+"""The worker's structure cache: what the trainer sent for the current plan structure.
+
+The trainer sends the item list and every tensor with a new structure key; afterwards only the
+key, plus the tensors it reallocated. The cache keeps one structure: a new key replaces it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from asyncckpt.protocol import TENSOR, ItemSpec, SaveRequest
+
+
+class CacheMiss(Exception):
+    """The trainer referred to a structure or a tensor this worker does not hold."""
+
+
+@dataclass
+class CachedStructure:
+    key: str
+    items: tuple[ItemSpec, ...]
+    sources: list[Optional[torch.Tensor]]
+    views: list[Optional[torch.Tensor]] = field(default_factory=list)
+    views_generation: int = -1
+
+
+class StructureCache:
+    def __init__(self) -> None:
+        self.current: Optional[CachedStructure] = None
+
+    def apply(self, request: SaveRequest) -> tuple[CachedStructure, bool]:
+        """Resolve the request to cached sources. Returns (entry, hit) where hit means the
+        structure was already known."""
+        hit = request.items is None
+        if not hit:
+            self.current = None  # release the old handles before taking new ones
+            self.current = CachedStructure(
+                key=request.structure_key, items=request.items, sources=[None] * len(request.items)
+            )
+        entry = self.current
+        if entry is None or entry.key != request.structure_key:
+            held = entry.key[:12] if entry else "nothing"
+            raise CacheMiss(f"structure {request.structure_key[:12]} is not cached (worker holds {held})")
+        for pos, tensor in request.fresh_tensors.items():
+            entry.sources[pos] = tensor
+        missing = [
+            spec.index.fqn for spec, src in zip(entry.items, entry.sources) if spec.kind == TENSOR and src is None
+        ]
+        if missing:
+            self.current = None
+            raise CacheMiss(f"no tensor held for {missing[:3]}")
+        return entry, hit
+
+    def clear(self) -> None:
+        self.current = None

@@ -1,0 +1,145 @@
+"""Worker entry point: the serve loop that stages and writes every save of one rank.
+
+It never dies silently: any failure of a save goes back as `SaveFailed` and the loop keeps
+serving. A watchdog thread ends the worker (and its writer children) when the trainer dies.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import signal
+import threading
+import time
+import traceback
+
+import torch
+
+from asyncckpt.formats import use_fast_serialization
+from asyncckpt.protocol import SaveFailed, SaveRequest, Shutdown, Staged, WorkerSettings
+
+from .cache import CacheMiss, StructureCache
+from .staging import StagingPool
+from .writers import StagedSave, WriteError, Writers
+
+log = logging.getLogger("asyncckpt.worker")
+
+PARENT_CHECK_INTERVAL_S = 0.5
+
+
+class ServeLoop:
+    def __init__(self, conn, settings: WorkerSettings) -> None:
+        self.conn = conn
+        self.settings = settings
+        self.cache = StructureCache()
+        self.pool = StagingPool(pin_memory=settings.cuda_device is not None)
+        self.writers = Writers()
+
+    def serve(self) -> None:
+        while True:
+            try:
+                message = self.conn.recv()
+            except (EOFError, OSError):
+                log.info("trainer connection closed; exiting")
+                return
+            if isinstance(message, Shutdown):
+                return
+            if isinstance(message, SaveRequest):
+                self.handle_save(message)
+                del message
+            else:
+                log.warning("ignoring unknown message %r", type(message).__name__)
+
+    def handle_save(self, request: SaveRequest) -> None:
+        phase = "cache"
+        try:
+            started = time.perf_counter()
+            entry, hit = self.cache.apply(request)
+            request.fresh_tensors.clear()  # the cache holds them now
+            phase = "staging"
+            if entry.views_generation != self.pool.generation or not entry.views:
+                entry.views = self.pool.layout(entry.items)
+                entry.views_generation = self.pool.generation
+            staged_bytes = self.pool.copy_in(entry.sources, entry.views)
+            self.conn.send(
+                Staged(request.save_id, time.perf_counter() - started, staged_bytes, hit, os.getpid())
+            )
+            phase = "write"
+            save = StagedSave(
+                request.save_id,
+                self.settings.rank,
+                request.checkpoint_dir,
+                entry.items,
+                entry.views,
+                request.byte_items,
+                request.options,
+            )
+            self.conn.send(self.writers.write(save))
+        except WriteError as exc:
+            self._fail(request.save_id, "write", str(exc), exc.path)
+        except CacheMiss as exc:
+            self._fail(request.save_id, "cache", str(exc))
+        except Exception as exc:
+            log.debug("save %d failed in %s:\n%s", request.save_id, phase, traceback.format_exc())
+            self._fail(request.save_id, phase, f"{type(exc).__name__}: {exc}")
+
+    def _fail(self, save_id: int, phase: str, message: str, path=None) -> None:
+        log.debug("save %d failed in %s: %s", save_id, phase, message)
+        try:
+            self.conn.send(SaveFailed(save_id, phase, message, path))
+        except (OSError, EOFError):
+            pass
+
+    def close(self) -> None:
+        self.writers.kill_children()
+        self.writers.close()
+        self.cache.clear()
+
+
+def run(conn, settings: WorkerSettings) -> None:
+    """Process entry point (spawned by asyncckpt.client)."""
+    logging.basicConfig(
+        level=settings.log_level, format=f"%(asctime)s asyncckpt-worker[{settings.rank}] %(levelname)s %(message)s"
+    )
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle; it closes us
+    _lower_priority(settings)
+    use_fast_serialization()
+    if settings.cuda_device is not None:
+        torch.cuda.set_device(settings.cuda_device)
+        torch.empty(1, device="cuda")  # create the context before any IPC handle arrives
+    loop = ServeLoop(conn, settings)
+    _start_parent_watchdog(settings.parent_pid, loop)
+    gc.freeze()
+    try:
+        loop.serve()
+    finally:
+        loop.close()
+
+
+def _start_parent_watchdog(parent_pid: int, loop: ServeLoop) -> None:
+    def watch() -> None:
+        while True:
+            time.sleep(PARENT_CHECK_INTERVAL_S)
+            if os.getppid() != parent_pid:
+                log.warning("trainer %d is gone; worker exits", parent_pid)
+                loop.writers.kill_children()
+                os._exit(3)
+
+    threading.Thread(target=watch, name="asyncckpt-parent-watchdog", daemon=True).start()
+
+
+def _lower_priority(settings: WorkerSettings) -> None:
+    if settings.nice:
+        try:
+            os.nice(settings.nice)
+        except OSError as exc:
+            log.warning("could not lower CPU priority: %s", exc)
+    if settings.ionice:
+        try:
+            import psutil
+
+            io_class = psutil.IOPRIO_CLASS_IDLE if settings.ionice == "idle" else psutil.IOPRIO_CLASS_BE
+            psutil.Process().ionice(io_class, value=7 if io_class == psutil.IOPRIO_CLASS_BE else None)
+        except Exception as exc:  # not permitted in some containers
+            log.warning("could not set I/O priority %s: %s", settings.ionice, exc)
