@@ -75,10 +75,15 @@ class _InFlight:
 
 @dataclass
 class _WorkerHolds:
-    """What the trainer knows the worker has cached: a structure and each tensor's fingerprint."""
+    """What the worker has cached: a structure, and each tensor with its fingerprint.
+
+    The tensors are kept referenced here on purpose: while they live, their storage cannot be
+    freed, so a new tensor can never reuse the address and pass the pointer comparison (a freed
+    shared-memory mapping is otherwise handed straight back to the next allocation)."""
 
     structure_key: str
     fingerprints: list
+    tensors: list
 
 
 _live: "weakref.WeakSet[AsyncCheckpointer]" = weakref.WeakSet()
@@ -145,7 +150,7 @@ class AsyncCheckpointer:
         except BaseException:
             self._discard_step_dir(step_dir)
             raise
-        self._holds = _WorkerHolds(snapshot.structure_key, snapshot.fingerprints)
+        self._holds = _WorkerHolds(snapshot.structure_key, snapshot.fingerprints, snapshot.tensors)
         self._in_flight = _InFlight(
             request.save_id, step, name, step_dir, planned.metadata, started,
             len(request.fresh_tensors), planned.reused_plan, backpressure_s=backpressure_s,

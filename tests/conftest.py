@@ -1,0 +1,83 @@
+"""Shared fixtures: checkpoint roots and small realistic training states."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+
+@pytest.fixture
+def ckpt_root(tmp_path) -> str:
+    """A checkpoint root that does not exist yet (the checkpointer creates it)."""
+    return os.path.join(str(tmp_path), "ckpt")
+
+
+def make_model_and_optimizer(seed: int = 0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    train_step(model, optimizer)
+    return model, optimizer
+
+
+def train_step(model, optimizer) -> None:
+    loss = model(torch.randn(16, 32)).pow(2).mean()
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+
+
+def make_state(model, optimizer, step: int = 0) -> dict:
+    """A nested state dict: weights, Adam state, ints, strings, lists."""
+    return {
+        "model": model.state_dict(),
+        "optim": optimizer.state_dict(),
+        "meta": {"step": step, "name": "run-1", "milestones": [10, 20, 30]},
+    }
+
+
+def clone_state(obj):
+    """Deep copy with tensors cloned (the expected values of a save)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return {k: clone_state(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [clone_state(v) for v in obj]
+    return obj
+
+
+def zeros_like_state(obj):
+    """Same structure, tensors zeroed and plain values replaced: a target to load into."""
+    if isinstance(obj, torch.Tensor):
+        return torch.zeros_like(obj)
+    if isinstance(obj, dict):
+        return {k: zeros_like_state(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [zeros_like_state(v) for v in obj]
+    if isinstance(obj, (int, float)):
+        return type(obj)(0)
+    if isinstance(obj, str):
+        return ""
+    return obj
+
+
+def assert_state_equal(actual, expected, path: str = "") -> None:
+    """Bitwise equality of tensors and equality of everything else, with the failing key named."""
+    if isinstance(expected, torch.Tensor):
+        assert isinstance(actual, torch.Tensor), path
+        assert actual.dtype == expected.dtype and actual.shape == expected.shape, path
+        as_bytes = lambda t: t.reshape(-1).view(torch.uint8)  # bitwise: NaNs and -0.0 count
+        assert torch.equal(as_bytes(actual), as_bytes(expected)), f"tensor differs at {path}"
+    elif isinstance(expected, dict):
+        assert set(actual) == set(expected), f"keys differ at {path}: {set(actual) ^ set(expected)}"
+        for k in expected:
+            assert_state_equal(actual[k], expected[k], f"{path}.{k}")
+    elif isinstance(expected, list):
+        assert len(actual) == len(expected), path
+        for i, (a, e) in enumerate(zip(actual, expected)):
+            assert_state_equal(a, e, f"{path}[{i}]")
+    else:
+        assert actual == expected, f"value differs at {path}: {actual!r} != {expected!r}"

@@ -1,0 +1,243 @@
+"""Foundation acceptance: round trip, consistency, worker reuse, no stale data, atomic commit,
+bad input, close and exit behaviour."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from asyncckpt import AsyncCheckpointer, CheckpointConfig, CheckpointError, load
+from conftest import assert_state_equal, clone_state, make_model_and_optimizer, make_state, train_step, zeros_like_state
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def step_path(root: str, step: int) -> str:
+    return os.path.join(root, f"step_{step:08d}")
+
+
+def test_round_trip_is_bitwise_equal_with_stock_dcp_load(ckpt_root):
+    model, optimizer = make_model_and_optimizer()
+    state = make_state(model, optimizer, step=7)
+    expected = clone_state(state)
+    with AsyncCheckpointer(ckpt_root) as ckpt:
+        ckpt.schedule_save(state, step=7)
+        [report] = ckpt.finalize(blocking=True)
+    assert report.step == 7 and report.bytes > 0 and report.path == step_path(ckpt_root, 7)
+
+    target = zeros_like_state(expected)
+    dcp.load(target, checkpoint_id=step_path(ckpt_root, 7), no_dist=True)
+    assert_state_equal(target, expected)
+
+    target = zeros_like_state(expected)
+    load(target, step_path(ckpt_root, 7))
+    assert_state_equal(target, expected)
+
+
+def test_dcp_to_torch_save_converts_the_checkpoint(ckpt_root, tmp_path):
+    model, optimizer = make_model_and_optimizer()
+    state = make_state(model, optimizer)
+    expected = clone_state(state)
+    with AsyncCheckpointer(ckpt_root) as ckpt:
+        ckpt.schedule_save(state, step=1)
+    out = str(tmp_path / "converted.pt")
+    dcp_to_torch_save(step_path(ckpt_root, 1), out)
+    converted = torch.load(out, weights_only=False)
+    assert_state_equal(converted["model"], expected["model"])
+    assert converted["meta"] == expected["meta"]
+
+
+def test_checkpoint_holds_values_from_schedule_time_not_later_mutations(ckpt_root):
+    model, optimizer = make_model_and_optimizer()
+    state = make_state(model, optimizer)
+    with AsyncCheckpointer(ckpt_root) as ckpt:
+        for step in range(3):
+            expected = clone_state(state)
+            ckpt.schedule_save(state, step=step)
+            with torch.no_grad():  # mutate every tensor right away, while the worker writes
+                for tensor in _tensors(state):
+                    tensor.add_(1000.0)
+            ckpt.finalize(blocking=True)
+            target = zeros_like_state(expected)
+            load(target, step_path(ckpt_root, step))
+            assert_state_equal(target, expected)
+
+
+def test_repeated_saves_reuse_one_worker_and_send_only_the_key(ckpt_root):
+    model, optimizer = make_model_and_optimizer()
+    state = make_state(model, optimizer)
+    expected_by_step, reports = {}, []
+    with AsyncCheckpointer(ckpt_root) as ckpt:
+        for step in range(5):
+            train_step(model, optimizer)
+            state = make_state(model, optimizer, step)
+            expected_by_step[step] = clone_state(state)
+            ckpt.schedule_save(state, step=step)
+            reports += ckpt.finalize(blocking=True)
+    assert [r.step for r in reports] == list(range(5))
+    assert len({r.worker_pid for r in reports}) == 1
+    assert reports[0].tensors_sent > 0 and not reports[0].cache_hit
+    for r in reports[1:]:
+        assert r.tensors_sent == 0 and r.cache_hit and r.plan_reused, r
+    for step, expected in expected_by_step.items():
+        target = zeros_like_state(expected)
+        load(target, step_path(ckpt_root, step))
+        assert_state_equal(target, expected)
+
+
+def test_reallocated_tensor_is_resent_never_stale(ckpt_root):
+    weights = {"w": torch.full((256,), 1.0), "b": torch.full((4,), 2.0)}
+    with AsyncCheckpointer(ckpt_root) as ckpt:
+        ckpt.schedule_save({"model": weights}, step=1)
+        ckpt.finalize(blocking=True)
+        weights["w"] = torch.full((256,), 5.0)  # same shape, new storage
+        ckpt.schedule_save({"model": weights}, step=2)
+        [report] = ckpt.finalize(blocking=True)
+    assert report.tensors_sent == 1
+    target = {"model": {"w": torch.zeros(256), "b": torch.zeros(4)}}
+    load(target, step_path(ckpt_root, 2))
+    assert torch.equal(target["model"]["w"], torch.full((256,), 5.0))
+    assert torch.equal(target["model"]["b"], torch.full((4,), 2.0))
+
+
+def test_numpy_backed_tensors_are_copied_each_save(ckpt_root):
+    import numpy as np
+
+    array = np.zeros(64, dtype=np.float32)
+    state = {"t": torch.from_numpy(array)}
+    with AsyncCheckpointer(ckpt_root) as ckpt:
+        for step in range(2):
+            array[:] = step + 1  # the user keeps writing through numpy: the tensor must follow
+            ckpt.schedule_save(state, step=step)
+            ckpt.finalize(blocking=True)
+    target = {"t": torch.zeros(64)}
+    load(target, step_path(ckpt_root, 1))
+    assert torch.equal(target["t"], torch.full((64,), 2.0))
+
+
+def test_metadata_appears_only_at_commit_and_retention_keeps_newest(ckpt_root):
+    torn = step_path(ckpt_root, 0)  # a torn leftover from an earlier crash: never touched
+    os.makedirs(torn)
+    open(os.path.join(torn, "__0_0.distcp"), "wb").close()
+    state = {"w": torch.arange(1000.0)}
+    with AsyncCheckpointer(ckpt_root, CheckpointConfig(keep_last=2)) as ckpt:
+        for step in range(1, 6):
+            ckpt.schedule_save(state, step=step)
+            assert os.path.isdir(step_path(ckpt_root, step))
+            assert not os.path.exists(os.path.join(step_path(ckpt_root, step), ".metadata"))
+            latest = _read_latest(ckpt_root)
+            assert latest is None or os.path.exists(os.path.join(ckpt_root, latest, ".metadata"))
+            ckpt.finalize(blocking=True)
+            assert _read_latest(ckpt_root) == f"step_{step:08d}"
+    remaining = sorted(n for n in os.listdir(ckpt_root) if n.startswith("step_"))
+    assert remaining == ["step_00000000", "step_00000004", "step_00000005"]
+    assert os.path.exists(os.path.join(torn, "__0_0.distcp"))
+
+
+def test_unwritable_root_fails_before_handoff(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with AsyncCheckpointer(str(blocker / "ckpt")) as ckpt:
+        pid = ckpt.worker_pid
+        with pytest.raises(CheckpointError, match="not writable"):
+            ckpt.schedule_save({"w": torch.ones(4)}, step=1)
+        assert ckpt.worker_pid == pid and psutil.pid_exists(pid)
+        assert ckpt.finalize() == []
+
+
+def test_unknown_config_value_names_the_field():
+    with pytest.raises(ValueError, match="io="):
+        CheckpointConfig(io="carrier-pigeon")
+    with pytest.raises(ValueError, match="io_workers"):
+        CheckpointConfig(io_workers=0)
+    with pytest.raises(ValueError, match="keep_last"):
+        CheckpointConfig(keep_last=-1)
+    with pytest.raises(TypeError):
+        CheckpointConfig(colour="blue")
+
+
+def test_unserializable_entry_is_named_and_nothing_is_left(ckpt_root):
+    import threading
+
+    with AsyncCheckpointer(ckpt_root) as ckpt:
+        with pytest.raises(CheckpointError, match="extra.lock"):
+            ckpt.schedule_save({"w": torch.ones(4), "extra": {"lock": threading.Lock()}}, step=3)
+        assert not os.path.exists(step_path(ckpt_root, 3))
+        ckpt.schedule_save({"w": torch.ones(4)}, step=4)  # the checkpointer still works
+        assert [r.step for r in ckpt.finalize(blocking=True)] == [4]
+
+
+def test_close_commits_the_in_flight_save(ckpt_root):
+    ckpt = AsyncCheckpointer(ckpt_root)
+    ckpt.schedule_save({"w": torch.arange(10.0)}, step=9)
+    pid = ckpt.worker_pid
+    reports = ckpt.close()
+    assert [r.step for r in reports] == [9]
+    assert os.path.exists(os.path.join(step_path(ckpt_root, 9), ".metadata"))
+    _wait_gone(pid, 10)
+    with pytest.raises(CheckpointError, match="closed"):
+        ckpt.schedule_save({"w": torch.ones(1)}, step=10)
+
+
+def test_script_exiting_without_close_commits_and_leaves_no_worker(ckpt_root, tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            import torch
+            from asyncckpt import AsyncCheckpointer
+            ckpt = AsyncCheckpointer({ckpt_root!r})
+            ckpt.schedule_save({{"w": torch.arange(100.0)}}, step=5)
+            print(ckpt.worker_pid, flush=True)
+            """
+        )
+    )
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    _wait_gone(int(done.stdout.split()[-1]), 10)
+    assert os.path.exists(os.path.join(step_path(ckpt_root, 5), ".metadata"))
+
+
+def test_load_latest_returns_none_then_the_step(ckpt_root):
+    state = {"w": torch.arange(8.0)}
+    with AsyncCheckpointer(ckpt_root) as ckpt:
+        assert ckpt.load_latest({"w": torch.zeros(8)}) is None
+        ckpt.schedule_save(state, step=3)
+        ckpt.finalize(blocking=True)
+        target = {"w": torch.zeros(8)}
+        assert ckpt.load_latest(target) == 3
+    assert torch.equal(target["w"], torch.arange(8.0))
+
+
+def _tensors(obj):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors(v)
+    elif isinstance(obj, list):
+        for v in obj:
+            yield from _tensors(v)
+
+
+def _read_latest(root: str):
+    path = os.path.join(root, "latest")
+    return open(path).read().strip() if os.path.exists(path) else None
+
+
+def _wait_gone(pid: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"process {pid} still running after {timeout_s}s")
