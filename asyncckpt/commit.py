@@ -90,4 +90,5 @@ def uncommit(storage: Storage, root: str, step_dir: str, name: str, fsync: bool)
             storage.remove_file(storage.join(root, LATEST_FILE))
     storage.remove_file(storage.join(step_dir, METADATA_FILE))
     for entry in storage.list_dir(step_dir):
-        storage.remove_file(storage.join(step_dir, entry))
+        if not storage.is_dir(storage.join(step_dir, entry)):  # subdirectories are not ours
+            storage.remove_file(storage.join(step_dir, entry))

@@ -17,7 +17,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from asyncckpt.formats import ItemSink, write_object_bytes, write_tensor
+from asyncckpt.formats import ItemSink, use_fast_serialization, write_object_bytes, write_tensor
 from asyncckpt.protocol import TENSOR, ItemSpec, ItemWritten, WriteDone, WriteOptions
 from asyncckpt.storage import Storage, storage_for
 
@@ -115,7 +115,11 @@ class Writers:
     def _write_in_threads(self, storage: Storage, save: StagedSave, buckets: list[Bucket]):
         if self._threads is None or self._thread_count != save.options.io_workers:
             self.close()
-            self._threads = ThreadPoolExecutor(save.options.io_workers, thread_name_prefix="asyncckpt-writer")
+            # torch's serialization config is per thread (a ContextVar): each writer thread turns
+            # torch.save's own CRC off itself, or thread and process modes would differ in bytes
+            self._threads = ThreadPoolExecutor(
+                save.options.io_workers, thread_name_prefix="asyncckpt-writer", initializer=use_fast_serialization
+            )
             self._thread_count = save.options.io_workers
         futures = [self._threads.submit(write_bucket, storage, save, b) for b in buckets]
         results, first_error = [], None
@@ -156,6 +160,7 @@ class Writers:
             try:
                 os.close(read_fd)
                 _die_with_parent()
+                use_fast_serialization()
                 try:
                     outcome = write_bucket(storage, save, bucket)
                 except WriteError as exc:

@@ -1,0 +1,99 @@
+"""I/O modes: threads and forked writer processes write the same bytes, and a writer's OSError
+reaches the trainer as a CheckpointError naming the file, with nothing committed."""
+
+from __future__ import annotations
+
+import glob
+import os
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from asyncckpt import AsyncCheckpointer, CheckpointConfig, CheckpointError
+from conftest import assert_state_equal, clone_state, make_model_and_optimizer, make_state, zeros_like_state
+
+MODES = ["thread", "process"]
+
+
+def step_path(root: str, step: int) -> str:
+    return os.path.join(root, f"step_{step:08d}")
+
+
+def small_state() -> dict:
+    model, optimizer = make_model_and_optimizer()
+    state = make_state(model, optimizer, step=3)
+    state["extra"] = {"big": torch.arange(20_000, dtype=torch.float64), "ints": torch.arange(7, dtype=torch.int16)}
+    return state
+
+
+def _data_files(step_dir: str) -> dict[str, bytes]:
+    return {
+        os.path.basename(p): open(p, "rb").read() for p in sorted(glob.glob(os.path.join(step_dir, "__0_*.distcp")))
+    }
+
+
+def test_thread_and_process_modes_write_identical_files_that_stock_dcp_loads(tmp_path):
+    state = small_state()
+    expected = clone_state(state)
+    files = {}
+    for io in MODES:
+        root = str(tmp_path / io)
+        with AsyncCheckpointer(root, CheckpointConfig(io=io, io_workers=3)) as ckpt:
+            ckpt.schedule_save(state, step=1)
+            [report] = ckpt.finalize(blocking=True)
+        assert report.bytes > 0
+        files[io] = _data_files(step_path(root, 1))
+        target = zeros_like_state(expected)
+        dcp.load(target, checkpoint_id=step_path(root, 1), no_dist=True)
+        assert_state_equal(target, expected)
+    assert len(files["thread"]) == 3
+    assert files["thread"].keys() == files["process"].keys()
+    for name in files["thread"]:
+        assert files["thread"][name] == files["process"][name], f"{name} differs between io modes"
+
+
+@pytest.mark.parametrize("io", MODES)
+def test_oserror_in_one_writer_names_the_file_and_commits_nothing(ckpt_root, io):
+    state = small_state()
+    expected = clone_state(state)
+    step_dir = step_path(ckpt_root, 4)
+    os.makedirs(os.path.join(step_dir, "__0_1.distcp"))  # opening this "file" for writing fails
+    with AsyncCheckpointer(ckpt_root, CheckpointConfig(io=io, io_workers=3)) as ckpt:
+        pid = ckpt.worker_pid
+        with pytest.raises(CheckpointError, match=r"__0_1\.distcp") as raised:
+            ckpt.schedule_save(state, step=4)
+            ckpt.finalize(blocking=True)
+        assert "EISDIR" in str(raised.value) or "directory" in str(raised.value).lower()
+        assert not os.path.exists(os.path.join(step_dir, ".metadata"))
+        assert not os.path.exists(os.path.join(ckpt_root, "latest"))
+        assert ckpt.worker_pid == pid  # the worker survived and serves the next save
+
+        ckpt.schedule_save(state, step=4)
+        [report] = ckpt.finalize(blocking=True)
+    assert report.step == 4
+    target = zeros_like_state(expected)
+    dcp.load(target, checkpoint_id=step_dir, no_dist=True)
+    assert_state_equal(target, expected)
+
+
+@pytest.mark.parametrize("io", MODES)
+def test_failure_when_overwriting_a_committed_step_leaves_it_uncommitted(ckpt_root, io):
+    """The step directory already holds a committed checkpoint and a stray subdirectory in the
+    way of a data file: the overwrite fails cleanly, and a retry succeeds."""
+    state = {"w": torch.arange(1000.0), "b": torch.ones(10)}
+    with AsyncCheckpointer(ckpt_root, CheckpointConfig(io=io, io_workers=2)) as ckpt:
+        ckpt.schedule_save(state, step=2)
+        ckpt.finalize(blocking=True)
+        step_dir = step_path(ckpt_root, 2)
+        os.unlink(os.path.join(step_dir, "__0_1.distcp"))
+        os.makedirs(os.path.join(step_dir, "__0_1.distcp", "nested"))
+        with pytest.raises(CheckpointError, match=r"__0_1\.distcp"):
+            ckpt.schedule_save(state, step=2)
+            ckpt.finalize(blocking=True)
+        assert not os.path.exists(os.path.join(step_dir, ".metadata"))
+        ckpt.schedule_save(state, step=2)
+        assert [r.step for r in ckpt.finalize(blocking=True)] == [2]
+    target = {"w": torch.zeros(1000), "b": torch.zeros(10)}
+    dcp.load(target, checkpoint_id=step_dir, no_dist=True)
+    assert torch.equal(target["w"], state["w"]) and torch.equal(target["b"], state["b"])
