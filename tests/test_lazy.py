@@ -1,0 +1,101 @@
+"""Lazy staging: schedule_save returns at once; `guard(optimizer)` makes optimizer.step() wait for
+the worker's copy, so a loop that mutates only through the optimizer always saves the values of
+the scheduled step.
+
+Without the guard, not mutating before `wait_staged()` is the caller's responsibility (documented
+in CheckpointConfig.staging): the tests below pause the worker (SIGSTOP) to make the window
+deterministic and show both the leak and the fix.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import torch
+
+from asyncckpt import AsyncCheckpointer, CheckpointConfig, load
+from conftest import assert_state_equal, clone_state, make_model_and_optimizer, make_state, train_step, zeros_like_state
+
+
+def step_path(root: str, step: int) -> str:
+    return os.path.join(root, f"step_{step:08d}")
+
+
+class paused_worker:
+    """Stop the worker process now and let it go on after `resume_after_s` (from a timer thread,
+    so a call blocked on the worker in this thread is released), or at exit at the latest."""
+
+    def __init__(self, pid: int, resume_after_s: float | None = None) -> None:
+        self.pid, self.resume_after_s, self.timer = pid, resume_after_s, None
+
+    def __enter__(self):
+        os.kill(self.pid, signal.SIGSTOP)
+        if self.resume_after_s is not None:
+            self.timer = threading.Timer(self.resume_after_s, os.kill, (self.pid, signal.SIGCONT))
+            self.timer.start()
+        return self
+
+    def __exit__(self, *exc):
+        if self.timer is not None:
+            self.timer.join()
+        os.kill(self.pid, signal.SIGCONT)
+        return False
+
+
+def test_guarded_optimizer_saves_the_scheduled_step_on_every_save(ckpt_root):
+    model, optimizer = make_model_and_optimizer()
+    expected = {}
+    with AsyncCheckpointer(ckpt_root, CheckpointConfig(staging="lazy")) as ckpt:
+        hook = ckpt.guard(optimizer)
+        for step in range(20):
+            if step % 2 == 0:
+                state = make_state(model, optimizer, step)
+                expected[step] = clone_state(state)
+                if step >= 4:  # the worker is paused: the next optimizer.step() must wait for it
+                    ckpt.finalize(blocking=True)
+                    with paused_worker(ckpt.worker_pid, resume_after_s=0.05):
+                        ckpt.schedule_save(state, step=step)
+                        train_step(model, optimizer)
+                    continue
+                ckpt.schedule_save(state, step=step)
+            train_step(model, optimizer)  # forward, backward and the guarded optimizer.step()
+            ckpt.finalize()
+        hook.remove()
+    assert len(expected) == 10
+    for step, values in expected.items():
+        target = zeros_like_state(values)
+        load(target, step_path(ckpt_root, step))
+        assert_state_equal(target, values)
+
+
+def test_unguarded_mutation_before_wait_staged_leaks_and_wait_staged_first_prevents_it(ckpt_root):
+    state = {"w": torch.arange(4096.0), "b": torch.ones(16)}
+    original = clone_state(state)
+    with AsyncCheckpointer(ckpt_root, CheckpointConfig(staging="lazy")) as ckpt:
+        ckpt.schedule_save(state, step=0)
+        ckpt.finalize(blocking=True)
+
+        # caller's mistake: mutates while the worker has not copied yet -> the later value is saved
+        with paused_worker(ckpt.worker_pid):
+            ckpt.schedule_save(state, step=1)
+            with torch.no_grad():
+                state["w"].add_(1000.0)
+        ckpt.finalize(blocking=True)
+        leaked = clone_state(state)
+        with torch.no_grad():
+            state["w"].sub_(1000.0)
+
+        # the documented contract: wait_staged() before the mutation
+        with paused_worker(ckpt.worker_pid, resume_after_s=0.05):
+            ckpt.schedule_save(state, step=2)
+            ckpt.wait_staged()
+            with torch.no_grad():
+                state["w"].add_(1000.0)
+        ckpt.finalize(blocking=True)
+
+    for step, values in ((0, original), (1, leaked), (2, original)):
+        target = zeros_like_state(values)
+        load(target, step_path(ckpt_root, step))
+        assert_state_equal(target, values)
