@@ -17,17 +17,17 @@ from dataclasses import asdict, dataclass
 from typing import Any, Callable, Optional
 
 import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.stateful import Stateful
 
 from .client import WorkerClient
-from .commit import apply_retention, commit_checkpoint, move_latest, uncommit
+from .commit import RankOutcome, SaveTarget, discard_uncommitted, finish_save, uncommit
 from .config import CheckpointConfig
 from .errors import CheckpointError, CheckpointTimeoutError, WorkerDiedError
 from .loading import METADATA_FILE, latest_checkpoint, load, step_dir_name
 from .planning import Planning
+from .ranks import RankGroup
 from .protocol import SaveFailed, SaveRequest, Staged, WorkerSettings, WriteDone, WriteOptions
 from .snapshot import Snapshot, take_snapshot
 from .storage import storage_for
@@ -53,6 +53,7 @@ class SaveReport:
     cache_hit: bool  # the worker already held this structure
     tensors_sent: int  # tensors handed over with this save (0 when only the key was sent)
     plan_reused: bool
+    collectives: int = 0  # collectives this save issued, from schedule_save to the commit
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -70,7 +71,10 @@ class _InFlight:
     plan_reused: bool
     blocked_s: float = 0.0
     backpressure_s: float = 0.0
+    collectives_before: int = 0
     staged: Optional[Staged] = None
+    error: Optional[str] = None  # this rank's part failed before the worker could report
+    outcome: Optional[RankOutcome] = None  # kept until every rank has finished its part
 
 
 @dataclass
@@ -100,6 +104,7 @@ class AsyncCheckpointer:
         root: str | os.PathLike,
         config: Optional[CheckpointConfig] = None,
         *,
+        process_group: Optional[Any] = None,
         planner_factory: Callable[[], Any] = DefaultSavePlanner,
     ) -> None:
         if config is None:
@@ -108,7 +113,8 @@ class AsyncCheckpointer:
             raise TypeError(f"config must be a CheckpointConfig, not {type(config).__name__}")
         self.root = os.fspath(root)
         self.config = config
-        self.rank = _rank()
+        self._group = RankGroup(process_group)
+        self.rank = self._group.rank
         self._storage = storage_for(self.root)
         self._planning = Planning(planner_factory)
         self._client: Optional[WorkerClient] = None
@@ -125,48 +131,80 @@ class AsyncCheckpointer:
         """Snapshot `state_dict` as of now and write it as checkpoint `step` in the background.
 
         Eager staging returns once the worker holds its copy; lazy staging returns at once and
-        the state must not change before `wait_staged()` (or the `guard` hook) returns."""
+        the state must not change before `wait_staged()` (or the `guard` hook) returns.
+        With several ranks every rank must call this at the same point."""
         self._check_open()
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"step must be a non-negative integer, not {step!r}")
         if not isinstance(state_dict, dict):
             raise TypeError(f"state_dict must be a dict, not {type(state_dict).__name__}")
         started = time.perf_counter()
+        collectives_before = self._group.collectives
         if self._in_flight is not None:
             self._finish_in_flight(blocking=True)
         backpressure_s = time.perf_counter() - started
 
         name = step_dir_name(step)
         step_dir = self._storage.join(self.root, name)
-        self._prepare_step_dir(step_dir, name)
+        local, problem, overwrite = None, None, False
         try:
-            planned = self._planning.plan(_plain_state(state_dict))
+            self._storage.prepare_dir(self.root)
+            overwrite = self._group.is_coordinator and self._storage.exists(self._storage.join(step_dir, METADATA_FILE))
+            self._storage.prepare_dir(step_dir)
+            local = self._planning.local(_plain_state(state_dict), self._group.is_coordinator)
+        except (CheckpointError, ValueError, TypeError) as exc:
+            problem = exc
+        changed, overwrite_any, failed = self._group.agree(
+            [local is None or self._planning.changed(local), int(overwrite), int(problem is not None)], "schedule_save", step
+        )
+        if failed:
+            self._raise_agreed_failure(problem, step)
+        if overwrite_any:  # the coordinator un-commits the old checkpoint before anyone writes
+            if self._group.is_coordinator:
+                log.warning("overwriting committed checkpoint %s", step_dir)
+                uncommit(self._storage, self.root, step_dir, name, self.config.fsync)
+            self._group.barrier()
+        planned = self._planning.build(local, self._group) if changed else self._planning.reuse(local)
+        flight = _InFlight(
+            0, step, name, step_dir, planned.metadata, started, 0, planned.reused_plan,
+            backpressure_s=backpressure_s, collectives_before=collectives_before,
+        )
+        try:
             snapshot = take_snapshot(planned)
             self._ensure_worker()
             request = self._request_for(snapshot, step, step_dir)
             if snapshot.has_cuda:
                 torch.cuda.current_stream().synchronize()  # the worker must see finished values
             self._client.send(request)
-        except BaseException:
-            self._discard_step_dir(step_dir)
-            raise
-        self._holds = _WorkerHolds(snapshot.structure_key, snapshot.fingerprints, snapshot.tensors)
-        self._in_flight = _InFlight(
-            request.save_id, step, name, step_dir, planned.metadata, started,
-            len(request.fresh_tensors), planned.reused_plan, backpressure_s=backpressure_s,
-        )
+            flight.save_id, flight.tensors_sent = request.save_id, len(request.fresh_tensors)
+            self._holds = _WorkerHolds(snapshot.structure_key, snapshot.fingerprints, snapshot.tensors)
+        except CheckpointError as exc:
+            if self._group.size == 1:
+                discard_uncommitted(self._storage, step_dir)
+                raise
+            flight.error = str(exc)  # raised on every rank by the next finalize
+        self._in_flight = flight
         if self.config.staging == "eager":
             self.wait_staged()
-        self._in_flight.blocked_s = time.perf_counter() - started
+        flight.blocked_s = time.perf_counter() - started
 
     def wait_staged(self) -> None:
         """Block until the in-flight save's snapshot is copied (bounded by timeout_s)."""
         flight = self._in_flight
-        if flight is None or flight.staged is not None:
+        if flight is None or flight.staged is not None or flight.error is not None:
             return
-        message = self._take(flight, (Staged, SaveFailed), self.config.timeout_s)
+        try:
+            message = self._client.take(flight.save_id, (Staged, SaveFailed), self.config.timeout_s)
+        except (CheckpointTimeoutError, WorkerDiedError) as exc:
+            self._reset_worker(kill=True)
+            message = SaveFailed(flight.save_id, "staging", str(exc))
         if isinstance(message, SaveFailed):
-            self._abandon(flight, self._failure_error(flight, message))
+            flight.error = self._describe_failure(message)
+            if self._group.size == 1:  # one rank: say it now; several: every rank says it at finalize
+                self._in_flight = None
+                discard_uncommitted(self._storage, flight.step_dir)
+                raise CheckpointError(f"rank {self.rank} step {flight.step}: {flight.error}")
+            return
         flight.staged = message
 
     def guard(self, optimizer: torch.optim.Optimizer):
@@ -175,10 +213,10 @@ class AsyncCheckpointer:
         return optimizer.register_step_pre_hook(lambda *_: self.wait_staged())
 
     def finalize(self, blocking: bool = False) -> list[SaveReport]:
-        """Commit the in-flight save if its writes ended (or, blocking, once they end).
-
-        Returns the reports of every save committed since the last call (saves committed inside
-        schedule_save or close included). Raises CheckpointError if a save failed."""
+        """Commit the in-flight save if its writes ended on every rank (or, blocking, once they
+        end). Returns the reports of every save committed since the last call (saves committed
+        inside schedule_save or close included). Raises CheckpointError on every rank if a save
+        failed on any. Non-blocking, it costs one small all-reduce while a save is pending."""
         if self._in_flight is not None:
             self._finish_in_flight(blocking)
         reports, self._committed = self._committed, []
@@ -187,10 +225,10 @@ class AsyncCheckpointer:
     def load_latest(self, state_dict: dict[str, Any]) -> Optional[int]:
         """Load the newest committed checkpoint into `state_dict` in place; return its step, or
         None when there is none (a fresh start)."""
-        info = latest_checkpoint(self.root) if os.path.isdir(self.root) else None
+        info = latest_checkpoint(self.root) if self._storage.is_dir(self.root) else None
         if info is None:
             return None
-        load(state_dict, info.path)
+        load(state_dict, info.path, process_group=self._group.pg)
         log.info("resumed from %s (step %d)", info.path, info.step)
         return info.step
 
@@ -252,63 +290,65 @@ class AsyncCheckpointer:
 
     def _finish_in_flight(self, blocking: bool) -> None:
         flight = self._in_flight
-        timeout = self.config.timeout_s if blocking else 0
-        if flight.staged is None:
-            message = self._take(flight, (Staged, SaveFailed), timeout)
-            if message is None:
-                return
-            if isinstance(message, SaveFailed):
-                self._abandon(flight, self._failure_error(flight, message))
-            flight.staged = message
-        message = self._take(flight, (WriteDone, SaveFailed), timeout)
-        if message is None:
+        if flight.outcome is None:
+            flight.outcome = self._local_outcome(flight, blocking)
+        outcome = flight.outcome
+        [not_done] = self._group.agree([outcome is None], "finalize", flight.step)
+        while not_done and blocking:  # ours is done; wait with the others, one agreement per poll
+            time.sleep(0.05)
+            [not_done] = self._group.agree([0], "finalize", flight.step)
+        if not_done:
             return
-        if isinstance(message, SaveFailed):
-            self._abandon(flight, self._failure_error(flight, message))
-        self._commit(flight, message)
-
-    def _take(self, flight: _InFlight, kinds: tuple, timeout: float):
-        try:
-            return self._client.take(flight.save_id, kinds, timeout)
-        except CheckpointTimeoutError as exc:
-            self._reset_worker(kill=True)  # it may still be writing; a fresh one serves the next save
-            self._abandon(flight, CheckpointTimeoutError(f"step {flight.step}: {exc}"))
-        except WorkerDiedError as exc:
-            self._reset_worker(kill=True)
-            self._abandon(flight, WorkerDiedError(f"step {flight.step}: {exc}"))
-
-    def _commit(self, flight: _InFlight, done: WriteDone) -> None:
-        started = time.perf_counter()
-        try:
-            commit_checkpoint(self._storage, flight.step_dir, flight.metadata, list(done.items), self.config.fsync)
-            move_latest(self._storage, self.root, flight.name, self.config.fsync)
-        except OSError as exc:
-            self._abandon(flight, CheckpointError(f"step {flight.step}: commit failed in {flight.step_dir}: {exc}"))
+        target = SaveTarget(self.root, flight.step, flight.name, flight.step_dir, flight.metadata)
+        verdict = finish_save(self._group, self._storage, target, outcome, self.config.fsync, self.config.keep_last)
         self._in_flight = None
-        try:
-            apply_retention(self._storage, self.root, self.config.keep_last)
-        except (OSError, CheckpointError) as exc:
-            log.warning("retention in %s failed (the new checkpoint is committed): %s", self.root, exc)
+        if not verdict.committed:
+            raise CheckpointError(f"step {flight.step} not committed: {verdict.error}")
         now = time.perf_counter()
         durable_s = now - flight.started
         report = SaveReport(
             step=flight.step,
             path=flight.step_dir,
-            bytes=done.bytes_written,
+            bytes=verdict.total_bytes,
             blocked_s=flight.blocked_s,
             backpressure_s=flight.backpressure_s,
             staging_s=flight.staged.staging_s,
-            write_s=done.write_s,
-            commit_s=now - started,
+            write_s=outcome.written.write_s,
+            commit_s=verdict.commit_s,
             durable_s=durable_s,
-            throughput_gbps=done.bytes_written / durable_s / 1e9 if durable_s > 0 else 0.0,
+            throughput_gbps=verdict.total_bytes / durable_s / 1e9 if durable_s > 0 else 0.0,
             worker_pid=flight.staged.worker_pid,
             cache_hit=flight.staged.cache_hit,
             tensors_sent=flight.tensors_sent,
             plan_reused=flight.plan_reused,
+            collectives=self._group.collectives - flight.collectives_before,
         )
         self._committed.append(report)
         self._publish(report)
+
+    def _local_outcome(self, flight: _InFlight, blocking: bool) -> Optional[RankOutcome]:
+        """This rank's part: None while its worker still works; never raises for a failed save
+        (the failure must reach every rank through the collective verdict)."""
+        if flight.error is not None:
+            return RankOutcome(self.rank, error=flight.error)
+        timeout = self.config.timeout_s if blocking else 0
+        try:
+            if flight.staged is None:
+                message = self._client.take(flight.save_id, (Staged, SaveFailed), timeout)
+                if message is None:
+                    return None
+                if isinstance(message, SaveFailed):
+                    return RankOutcome(self.rank, error=self._describe_failure(message))
+                flight.staged = message
+            message = self._client.take(flight.save_id, (WriteDone, SaveFailed), timeout)
+        except (CheckpointTimeoutError, WorkerDiedError) as exc:
+            self._reset_worker(kill=True)  # it may still be writing; a fresh one serves the next save
+            return RankOutcome(self.rank, error=str(exc))
+        if message is None:
+            return None
+        if isinstance(message, SaveFailed):
+            return RankOutcome(self.rank, error=self._describe_failure(message))
+        return RankOutcome(self.rank, written=message)
 
     def _publish(self, report: SaveReport) -> None:
         log.info(
@@ -324,19 +364,21 @@ class AsyncCheckpointer:
         if self.config.on_commit is not None:
             self.config.on_commit(report)
 
-    def _failure_error(self, flight: _InFlight, failed: SaveFailed) -> CheckpointError:
+    def _describe_failure(self, failed: SaveFailed) -> str:
         if failed.phase == "cache":
             self._holds = None  # resend everything next time
         where = f" ({failed.path})" if failed.path else ""
-        return CheckpointError(f"rank {self.rank} step {flight.step}: {failed.phase} failed{where}: {failed.message}")
+        return f"{failed.phase} failed{where}: {failed.message}"
 
-    def _abandon(self, flight: _InFlight, error: CheckpointError):
-        """Forget a failed save, remove what it wrote (it was never committed), and raise."""
-        self._in_flight = None
-        self._discard_step_dir(flight.step_dir)
-        raise error
+    def _raise_agreed_failure(self, problem: Optional[Exception], step: int) -> None:
+        """Some rank could not start the save: every rank raises, naming the ranks and causes."""
+        problems = self._group.all_gather(None if problem is None else str(problem))
+        causes = "; ".join(f"rank {r}: {p}" for r, p in enumerate(problems) if p is not None)
+        if self._group.size == 1 and problem is not None:
+            raise problem
+        raise CheckpointError(f"step {step} not started: {causes}")
 
-    # worker and directories --------------------------------------------------------------------
+    # worker --------------------------------------------------------------------------------------
     def _start_worker(self) -> None:
         cuda_device = torch.cuda.current_device() if torch.cuda.is_available() else None
         settings = WorkerSettings(
@@ -364,21 +406,6 @@ class AsyncCheckpointer:
         self._client = None
         self._holds = None
 
-    def _prepare_step_dir(self, step_dir: str, name: str) -> None:
-        self._storage.prepare_dir(self.root)
-        if self._storage.is_dir(step_dir):
-            if self._storage.exists(self._storage.join(step_dir, METADATA_FILE)):
-                log.warning("overwriting committed checkpoint %s", step_dir)
-            uncommit(self._storage, self.root, step_dir, name, self.config.fsync)
-        self._storage.prepare_dir(step_dir)
-
-    def _discard_step_dir(self, step_dir: str) -> None:
-        try:
-            if self._storage.is_dir(step_dir) and not self._storage.exists(self._storage.join(step_dir, METADATA_FILE)):
-                self._storage.remove_tree(step_dir)
-        except (OSError, CheckpointError) as exc:
-            log.warning("could not remove uncommitted %s: %s", step_dir, exc)
-
     def _check_open(self) -> None:
         if self._closed:
             raise CheckpointError("this AsyncCheckpointer is closed")
@@ -387,14 +414,6 @@ class AsyncCheckpointer:
 def _plain_state(state_dict: dict[str, Any]) -> dict[str, Any]:
     """Replace Stateful values (model/optimizer wrappers) by their state dicts, as DCP does."""
     return {k: (v.state_dict() if isinstance(v, Stateful) else v) for k, v in state_dict.items()}
-
-
-def _rank() -> int:
-    if dist.is_available() and dist.is_initialized():
-        if dist.get_world_size() > 1:
-            raise CheckpointError("several ranks are not supported yet: run one process per checkpoint root")
-        return dist.get_rank()
-    return 0
 
 
 @atexit.register

@@ -10,19 +10,94 @@ from __future__ import annotations
 import dataclasses
 import logging
 import pickle
+import time
 import uuid
+from dataclasses import dataclass
+from typing import Optional
 
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from .formats import CHECKSUMS_FILE, ItemChecksum, encode_checksums
 from .loading import LATEST_FILE, METADATA_FILE, list_checkpoints, read_latest_marker
-from .protocol import ItemWritten
+from .errors import CheckpointError
+from .protocol import ItemWritten, WriteDone
+from .ranks import RankGroup
 from .storage import Storage
 
 log = logging.getLogger(__name__)
 
 DCP_VERSION = "1.0.0"
+
+
+@dataclass(frozen=True)
+class RankOutcome:
+    """How one rank's part of a save ended: its write results, or the error that stopped it."""
+
+    rank: int
+    written: Optional[WriteDone] = None
+    error: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The coordinator's decision, broadcast to every rank."""
+
+    committed: bool
+    error: Optional[str] = None
+    total_bytes: int = 0
+    commit_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class SaveTarget:
+    root: str
+    step: int
+    name: str
+    step_dir: str
+    metadata: Optional[Metadata]  # the global metadata; the coordinator's is the one used
+
+
+def finish_save(
+    group: RankGroup, storage: Storage, target: SaveTarget, outcome: RankOutcome, fsync: bool, keep_last: Optional[int]
+) -> Verdict:
+    """Collective: gather every rank's outcome; the coordinator commits if all succeeded, else
+    removes the uncommitted directory; every rank gets the same verdict."""
+    outcomes = group.gather(outcome)
+    verdict = None
+    if group.is_coordinator:
+        verdict = _decide(storage, target, outcomes, fsync, keep_last)
+    return group.broadcast(verdict)
+
+
+def _decide(storage: Storage, target: SaveTarget, outcomes: list[RankOutcome], fsync: bool, keep_last) -> Verdict:
+    failures = [o for o in outcomes if o.error is not None]
+    if failures:
+        discard_uncommitted(storage, target.step_dir)
+        return Verdict(False, "; ".join(f"rank {o.rank}: {o.error}" for o in failures))
+    started = time.perf_counter()
+    written = [item for o in outcomes for item in o.written.items]
+    try:
+        commit_checkpoint(storage, target.step_dir, target.metadata, written, fsync)
+        move_latest(storage, target.root, target.name, fsync)
+    except OSError as exc:
+        discard_uncommitted(storage, target.step_dir)
+        return Verdict(False, f"step {target.step}: commit failed in {target.step_dir}: {exc}")
+    try:
+        apply_retention(storage, target.root, keep_last)
+    except (OSError, CheckpointError) as exc:
+        log.warning("retention in %s failed (the new checkpoint is committed): %s", target.root, exc)
+    total = sum(o.written.bytes_written for o in outcomes)
+    return Verdict(True, None, total, time.perf_counter() - started)
+
+
+def discard_uncommitted(storage: Storage, step_dir: str) -> None:
+    """Remove what a failed save wrote; it was never committed, so nothing can depend on it."""
+    try:
+        if storage.is_dir(step_dir) and not storage.exists(storage.join(step_dir, METADATA_FILE)):
+            storage.remove_tree(step_dir)
+    except (OSError, CheckpointError) as exc:
+        log.warning("could not remove uncommitted %s: %s", step_dir, exc)
 
 
 def commit_checkpoint(

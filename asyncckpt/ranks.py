@@ -1,0 +1,105 @@
+"""The ranks of a job and the few collectives asyncckpt issues, counted.
+
+Every agreement carries a per-checkpointer call counter, so ranks that called schedule_save or
+finalize a different number of times get a CheckpointError instead of a silent mismatch.
+With one process (no process group) every collective is a local no-op.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .errors import CheckpointError
+
+
+_CALL_KINDS = {"schedule_save": 1, "finalize": 2}
+
+
+class RankGroup:
+    def __init__(self, process_group: Optional[Any] = None) -> None:
+        self.pg = process_group
+        self.distributed = dist.is_available() and dist.is_initialized()
+        if process_group is not None and not self.distributed:
+            raise CheckpointError("a process_group was given but torch.distributed is not initialized")
+        self.rank = dist.get_rank(process_group) if self.distributed else 0
+        self.size = dist.get_world_size(process_group) if self.distributed else 1
+        self.collectives = 0  # issued so far (a debug figure in every SaveReport)
+        self._agreements = 0
+        if self.size > 1:
+            backend = str(dist.get_backend(process_group))
+            if "gloo" not in backend:
+                raise CheckpointError(
+                    f"process group backend {backend!r} cannot carry asyncckpt's CPU collectives; "
+                    "pass a gloo group, e.g. process_group=dist.new_group(backend='gloo')"
+                )
+        self._coordinator = dist.get_global_rank(process_group, 0) if self.distributed and process_group else 0
+
+    @property
+    def is_coordinator(self) -> bool:
+        return self.rank == 0
+
+    def agree(self, flags: Sequence[int], what: str, step: int) -> list[int]:
+        """All-reduce MAX of small integers (one collective), checking every rank is at the same
+        call (count), of the same kind, for the same step. Returns each flag's maximum."""
+        self._agreements += 1
+        if self.size == 1:
+            return list(flags)
+        kind = _CALL_KINDS[what]
+        ident = (self._agreements, kind, step)
+        values = torch.tensor([v for x in ident for v in (x, -x)] + list(flags), dtype=torch.int64)
+        self._count()
+        dist.all_reduce(values, op=dist.ReduceOp.MAX, group=self.pg)
+        highs, lows = values[0:6:2].tolist(), [-v for v in values[1:6:2].tolist()]
+        if highs != lows:
+            raise CheckpointError(
+                f"rank {self.rank}: ranks disagree at {what} of step {step} (calls {lows[0]}..{highs[0]}, "
+                f"steps {lows[2]}..{highs[2]}); all ranks must call schedule_save and finalize at the "
+                "same points with the same step"
+            )
+        return [int(v) for v in values[6:]]
+
+    def gather(self, obj: Any) -> Optional[list[Any]]:
+        """Objects of every rank on the coordinator (None elsewhere)."""
+        if self.size == 1:
+            return [obj]
+        out = [None] * self.size if self.is_coordinator else None
+        self._count()
+        dist.gather_object(obj, out, dst=self._coordinator, group=self.pg)
+        return out
+
+    def scatter(self, objs: Optional[list[Any]]) -> Any:
+        """The coordinator's objs[rank] on every rank."""
+        if self.size == 1:
+            return objs[0]
+        out = [None]
+        self._count()
+        dist.scatter_object_list(out, objs if self.is_coordinator else None, src=self._coordinator, group=self.pg)
+        return out[0]
+
+    def broadcast(self, obj: Any) -> Any:
+        """The coordinator's obj on every rank."""
+        if self.size == 1:
+            return obj
+        box = [obj]
+        self._count()
+        dist.broadcast_object_list(box, src=self._coordinator, group=self.pg)
+        return box[0]
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        if self.size == 1:
+            return [obj]
+        out = [None] * self.size
+        self._count()
+        dist.all_gather_object(out, obj, group=self.pg)
+        return out
+
+    def barrier(self) -> None:
+        if self.size > 1:
+            self._count()
+            dist.barrier(group=self.pg)
+
+    def _count(self) -> None:
+        self.collectives += 1

@@ -1,0 +1,42 @@
+"""Helpers to run a function on N gloo ranks (CPU) with a free loopback port and a hard timeout."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, fn, world_size: int, port: int, args: tuple) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        fn(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(fn, world_size: int, *args, timeout_s: float = 120.0) -> None:
+    """Run fn(rank, world_size, *args) on `world_size` spawned ranks; raise if any rank fails or
+    if they do not all finish within `timeout_s` (so a bug fails the test instead of hanging)."""
+    context = mp.start_processes(
+        _entry, args=(fn, world_size, free_port(), args), nprocs=world_size, join=False, start_method="spawn"
+    )
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not context.join(timeout=0.5):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{world_size} ranks did not finish within {timeout_s}s (hang?)")
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()

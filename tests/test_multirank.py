@@ -1,0 +1,175 @@
+"""Several ranks (gloo, CPU): DCP planning semantics, resharding on load, the plan cache, and a
+failure on one rank reaching every rank."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+from asyncckpt import AsyncCheckpointer, CheckpointConfig, CheckpointError
+from multirank import run_ranks
+
+ROWS, COLS = 8, 12
+
+
+def full_matrix(step: int) -> torch.Tensor:
+    return torch.arange(ROWS * COLS, dtype=torch.float32).view(ROWS, COLS) + 1000 * step
+
+
+def rank_state(rank: int, world: int, step: int, mesh) -> dict:
+    """Replicated tensors (equal on every rank), per-rank tensors and a DTensor sharded by rows."""
+    return {
+        "replicated": {"w": torch.linspace(0, 1, 64) + step, "scale": torch.tensor(2.0 + step)},
+        f"rank{rank}": {"local": torch.full((5,), float(rank * 100 + step))},
+        "sharded": distribute_tensor(full_matrix(step), mesh, [Shard(0)]),
+        "meta": {"step": step},
+    }
+
+
+def update_in_place(state: dict, new: dict) -> None:
+    for key, value in new.items():
+        if isinstance(value, dict):
+            update_in_place(state[key], value)
+        elif isinstance(value, DTensor):
+            state[key].to_local().copy_(value.to_local())
+        elif isinstance(value, torch.Tensor):
+            state[key].copy_(value)
+        else:
+            state[key] = value
+
+
+def _save_steps(rank: int, world: int, root: str, steps: list[int], out: str) -> None:
+    mesh = init_device_mesh("cpu", (world,))
+    reports = []
+    state = rank_state(rank, world, steps[0], mesh)
+    with AsyncCheckpointer(root, CheckpointConfig(io_workers=2)) as ckpt:
+        for step in steps:
+            update_in_place(state, rank_state(rank, world, step, mesh))  # as training does
+            ckpt.schedule_save(state, step=step)
+            reports += ckpt.finalize(blocking=True)
+        counters = ckpt.planning_counters
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump({"reports": [r.as_dict() for r in reports], "plan_gathers": counters.plan_gathers}, f)
+    assert [r.step for r in reports] == steps
+
+
+def _load_resharded(rank: int, world: int, path: str, step: int) -> None:
+    """Stock dcp.load into a different sharding (Shard(1)) and possibly a different world size."""
+    mesh = init_device_mesh("cpu", (world,))
+    target = {
+        "replicated": {"w": torch.zeros(64), "scale": torch.tensor(0.0)},
+        "sharded": distribute_tensor(torch.zeros(ROWS, COLS), mesh, [Shard(1)]),
+        "meta": {"step": -1},
+    }
+    dcp.load(target, checkpoint_id=path)
+    assert torch.equal(target["sharded"].full_tensor(), full_matrix(step))
+    assert torch.equal(target["replicated"]["w"], torch.linspace(0, 1, 64) + step)
+    assert target["meta"]["step"] == step
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ranks_save_one_checkpoint_that_stock_dcp_loads_resharded(world, tmp_path):
+    root, out = str(tmp_path / "ckpt"), str(tmp_path / "out.json")
+    run_ranks(_save_steps, world, root, [0, 1, 2, 3], out)
+    path = os.path.join(root, "step_00000003")
+    assert sorted(f for f in os.listdir(path) if f.endswith(".distcp")) == sorted(
+        f"__{r}_{n}.distcp" for r in range(world) for n in range(2)
+    ) or all(f.startswith("__") for f in os.listdir(path) if f.endswith(".distcp"))
+
+    # one process, no process group, plain full tensors: a different world size
+    target = {
+        "replicated": {"w": torch.zeros(64), "scale": torch.tensor(0.0)},
+        "sharded": torch.zeros(ROWS, COLS),
+        "meta": {"step": -1},
+        **{f"rank{r}": {"local": torch.zeros(5)} for r in range(world)},
+    }
+    dcp.load(target, checkpoint_id=path, no_dist=True)
+    assert torch.equal(target["sharded"], full_matrix(3))
+    assert torch.equal(target["replicated"]["scale"], torch.tensor(5.0))
+    for r in range(world):
+        assert torch.equal(target[f"rank{r}"]["local"], torch.full((5,), float(r * 100 + 3)))
+
+    # two ranks loading into Shard(1)
+    run_ranks(_load_resharded, 2, path, 3)
+
+    with open(out) as f:
+        result = json.load(f)
+    assert result["plan_gathers"] == 1  # only the first save gathered plans
+    for report in result["reports"][2:]:
+        assert report["plan_reused"] and report["cache_hit"] and report["tensors_sent"] == 0
+    # steady state: the schedule agreement, the finalize agreement, one gather + one broadcast
+    assert result["reports"][-1]["collectives"] <= 4, result["reports"][-1]
+
+
+def _failure_on_rank1(rank: int, world: int, root: str) -> None:
+    mesh = init_device_mesh("cpu", (world,))
+    with AsyncCheckpointer(root, CheckpointConfig(io_workers=1)) as ckpt:
+        ckpt.schedule_save(rank_state(rank, world, 1, mesh), step=1)
+        ckpt.finalize(blocking=True)
+        if rank == 0:  # make rank 1's data file impossible to open: a directory in its place
+            os.makedirs(os.path.join(root, "step_00000002", "__1_0.distcp"))
+        dist.barrier()
+        with pytest.raises(CheckpointError) as failure:
+            ckpt.schedule_save(rank_state(rank, world, 2, mesh), step=2)
+            ckpt.finalize(blocking=True)
+        assert "rank 1" in str(failure.value) and "__1_0.distcp" in str(failure.value), str(failure.value)
+        assert not os.path.exists(os.path.join(root, "step_00000002", ".metadata"))
+        with open(os.path.join(root, "latest")) as f:
+            assert f.read().strip() == "step_00000001"
+        dist.barrier()
+        ckpt.schedule_save(rank_state(rank, world, 3, mesh), step=3)
+        assert [r.step for r in ckpt.finalize(blocking=True)] == [3]
+
+
+def test_writer_failure_on_one_rank_raises_on_every_rank(tmp_path):
+    run_ranks(_failure_on_rank1, 2, str(tmp_path / "ckpt"))
+
+
+def _poll_every_step(rank: int, world: int, root: str, out: str) -> None:
+    mesh = init_device_mesh("cpu", (world,))
+    big = {"big": torch.randn(4 << 20), **rank_state(rank, world, 0, mesh)}
+    polls, committed = [], []
+    with AsyncCheckpointer(root, CheckpointConfig(io_workers=1)) as ckpt:
+        for step in range(3):
+            ckpt.schedule_save(big, step=step)
+            for _ in range(20):  # "training steps", each polling without blocking
+                started = time.perf_counter()
+                committed += [r.step for r in ckpt.finalize()]
+                polls.append(time.perf_counter() - started)
+                time.sleep(0.005)
+        committed += [r.step for r in ckpt.finalize(blocking=True)]
+    assert committed == [0, 1, 2]
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(sorted(polls), f)
+
+
+def test_non_blocking_finalize_costs_only_the_agreement(tmp_path):
+    out = str(tmp_path / "polls.json")
+    run_ranks(_poll_every_step, 2, str(tmp_path / "ckpt"), out)
+    with open(out) as f:
+        polls = json.load(f)
+    median = polls[len(polls) // 2]
+    assert median < 0.05, f"median non-blocking finalize {median:.3f}s"
+
+
+def _mismatched_calls(rank: int, world: int, root: str) -> None:
+    ckpt = AsyncCheckpointer(root, CheckpointConfig(timeout_s=30))
+    with pytest.raises(CheckpointError, match="disagree"):
+        ckpt.schedule_save({"w": torch.ones(4)}, step=1 + rank)  # a bug: ranks save different steps
+    assert ckpt.finalize() == []  # nothing was started on either rank
+    ckpt.schedule_save({"w": torch.ones(4)}, step=5)  # back in step: saves work again
+    assert [r.step for r in ckpt.close()] == [5]
+
+
+def test_mismatched_call_counts_are_reported_not_hung(tmp_path):
+    run_ranks(_mismatched_calls, 2, str(tmp_path / "ckpt"), timeout_s=90)
