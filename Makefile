@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv install test example bench lint clean
+.PHONY: venv install test example example-ddp bench lint clean
 
 venv: $(STAMP)
 
@@ -24,6 +24,10 @@ test: venv
 example: venv
 	$(PY) examples/train_loop.py --root checkpoints/example --fresh
 	$(PY) examples/train_loop.py --root checkpoints/example --steps 300
+
+example-ddp: venv
+	$(VENV)/bin/torchrun --nproc_per_node=2 examples/ddp_torchrun.py --root checkpoints/ddp --fresh
+	$(VENV)/bin/torchrun --nproc_per_node=2 examples/ddp_torchrun.py --root checkpoints/ddp --steps 120
 
 bench: venv
 	$(PY) benchmarks/bench_save.py --out bench_out/bench.json --plot bench_out/bench.png
