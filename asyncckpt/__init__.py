@@ -1,6 +1,7 @@
 """asyncckpt: asynchronous PyTorch DCP checkpoints written by a persistent worker process."""
 
-from .checkpointer import AsyncCheckpointer, SaveReport
+from .checkpointer import AsyncCheckpointer
+from .report import SaveReport
 from .config import CheckpointConfig
 from .errors import CheckpointError, CheckpointTimeoutError, WorkerDiedError
 from .loading import CheckpointInfo, latest_checkpoint, list_checkpoints, load, verify_checkpoint

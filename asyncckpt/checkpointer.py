@@ -8,12 +8,11 @@ first finishes the previous, which keeps commits in order and lets one staging p
 from __future__ import annotations
 
 import atexit
-import json
 import logging
 import os
 import time
 import weakref
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
@@ -28,35 +27,12 @@ from .errors import CheckpointError, CheckpointTimeoutError, WorkerDiedError
 from .loading import METADATA_FILE, latest_checkpoint, load, step_dir_name
 from .planning import Planning
 from .ranks import RankGroup
+from .report import SaveReport, publish
 from .protocol import SaveFailed, SaveRequest, Staged, WorkerSettings, WriteDone, WriteOptions
 from .snapshot import Snapshot, take_snapshot
 from .storage import storage_for
 
 log = logging.getLogger("asyncckpt")
-
-
-@dataclass(frozen=True)
-class SaveReport:
-    """Figures of one committed save (seconds unless named otherwise)."""
-
-    step: int
-    path: str
-    bytes: int
-    blocked_s: float  # time schedule_save held the caller (includes waiting for the previous save)
-    backpressure_s: float  # part of blocked_s spent finishing the previous save
-    staging_s: float  # worker's copy into its staging pool
-    write_s: float  # worker's writes, fsync included
-    commit_s: float  # sidecar + .metadata + latest + retention
-    durable_s: float  # schedule_save call to commit done
-    throughput_gbps: float  # bytes / durable_s, in GB/s
-    worker_pid: int
-    cache_hit: bool  # the worker already held this structure
-    tensors_sent: int  # tensors handed over with this save (0 when only the key was sent)
-    plan_reused: bool
-    collectives: int = 0  # collectives this save issued, from schedule_save to the commit
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 @dataclass
@@ -324,7 +300,7 @@ class AsyncCheckpointer:
             collectives=self._group.collectives - flight.collectives_before,
         )
         self._committed.append(report)
-        self._publish(report)
+        publish(report, self.config.metrics_path, self.config.on_commit)
 
     def _local_outcome(self, flight: _InFlight, blocking: bool) -> Optional[RankOutcome]:
         """This rank's part: None while its worker still works; never raises for a failed save
@@ -349,20 +325,6 @@ class AsyncCheckpointer:
         if isinstance(message, SaveFailed):
             return RankOutcome(self.rank, error=self._describe_failure(message))
         return RankOutcome(self.rank, written=message)
-
-    def _publish(self, report: SaveReport) -> None:
-        log.info(
-            "committed step %d: %.1f MB, blocked %.3fs, staging %.3fs, write %.3fs, commit %.3fs, "
-            "durable %.3fs (%.2f GB/s), worker %d%s",
-            report.step, report.bytes / 1e6, report.blocked_s, report.staging_s, report.write_s,
-            report.commit_s, report.durable_s, report.throughput_gbps, report.worker_pid,
-            ", cache hit" if report.cache_hit else "",
-        )
-        if self.config.metrics_path:
-            with open(self.config.metrics_path, "a") as f:
-                f.write(json.dumps(report.as_dict()) + "\n")
-        if self.config.on_commit is not None:
-            self.config.on_commit(report)
 
     def _describe_failure(self, failed: SaveFailed) -> str:
         if failed.phase == "cache":

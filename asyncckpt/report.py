@@ -1,0 +1,50 @@
+"""The figures of a committed save, and where they go: one INFO log line, an optional JSON-lines
+file, an optional callback."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Optional
+
+log = logging.getLogger("asyncckpt")
+
+
+@dataclass(frozen=True)
+class SaveReport:
+    """Figures of one committed save (seconds unless named otherwise)."""
+
+    step: int
+    path: str
+    bytes: int
+    blocked_s: float  # time schedule_save held the caller (includes waiting for the previous save)
+    backpressure_s: float  # part of blocked_s spent finishing the previous save
+    staging_s: float  # worker's copy into its staging pool
+    write_s: float  # worker's writes, fsync included
+    commit_s: float  # sidecar + .metadata + latest + retention
+    durable_s: float  # schedule_save call to commit done
+    throughput_gbps: float  # bytes / durable_s, in GB/s
+    worker_pid: int
+    cache_hit: bool  # the worker already held this structure
+    tensors_sent: int  # tensors handed over with this save (0 when only the key was sent)
+    plan_reused: bool
+    collectives: int = 0  # collectives this save issued, from schedule_save to the commit
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def publish(report: SaveReport, metrics_path: Optional[str], on_commit: Optional[Callable[[SaveReport], None]]) -> None:
+    log.info(
+        "committed step %d: %.1f MB, blocked %.3fs, staging %.3fs, write %.3fs, commit %.3fs, "
+        "durable %.3fs (%.2f GB/s), worker %d%s",
+        report.step, report.bytes / 1e6, report.blocked_s, report.staging_s, report.write_s,
+        report.commit_s, report.durable_s, report.throughput_gbps, report.worker_pid,
+        ", cache hit" if report.cache_hit else "",
+    )
+    if metrics_path:
+        with open(metrics_path, "a") as f:
+            f.write(json.dumps(report.as_dict()) + "\n")
+    if on_commit is not None:
+        on_commit(report)
