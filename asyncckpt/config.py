@@ -29,7 +29,8 @@ class CheckpointConfig:
     keep_last: keep this many newest committed checkpoints (None keeps all).
     timeout_s: bound on waiting for staging and, separately, for the writes of one save.
     worker_nice: nice increment for the worker (None leaves it as the trainer's).
-    worker_ionice: "idle" or "best-effort" I/O class for the worker, where the OS allows.
+    worker_ionice: "best-effort" (lowest level, the default) or "idle" I/O class for the worker,
+        where the OS allows; "idle" can starve checkpoint writes on a disk the trainer keeps busy.
     separation_hint: item names starting with this prefix go into files of their own.
     staging_budget_bytes: stage and write in chunks of at most this many bytes (None: whole state).
     metrics_path: append one JSON line per committed save to this file.
@@ -46,7 +47,7 @@ class CheckpointConfig:
     keep_last: Optional[int] = None
     timeout_s: float = 600.0
     worker_nice: Optional[int] = 10
-    worker_ionice: Optional[str] = "idle"
+    worker_ionice: Optional[str] = "best-effort"
     separation_hint: Optional[str] = None
     staging_budget_bytes: Optional[int] = None
     metrics_path: Optional[str] = None
