@@ -2,14 +2,17 @@
 
 Format "torch_save": each tensor chunk is a standalone `torch.save` archive of exactly that chunk
 and each object its `torch.save` bytes, so DCP's stock FileSystemReader reads every byte range.
+Format "safetensors": each bucket file is a safetensors file (header, then every tensor's raw
+bytes); `.metadata` points at each tensor's raw byte range, and `CheckpointReader` reads them.
 """
 
 from __future__ import annotations
 
 import json
+import struct
 import zlib
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterable, Optional, Sequence
 
 import torch
 
@@ -17,18 +20,36 @@ from .storage import WriteHandle
 
 CHECKSUMS_FILE = ".checksums.json"
 CHECKSUM_ALGORITHM = "crc32"
+TORCH_SAVE = "torch_save"
+SAFETENSORS = "safetensors"
+SAFETENSORS_SUFFIX = ".safetensors"
+DCP_SHARDING_INFO = "DCP_SHARDING_INFO"  # the key DCP's HuggingFaceStorageReader reads chunk offsets from
 
 
 class ItemSink:
-    """File-like view of a WriteHandle that tracks the offset and the CRC32 of the current item."""
+    """File-like view of a WriteHandle that tracks the offset and the CRC32 of the current item.
 
-    def __init__(self, handle: WriteHandle, checksums: bool) -> None:
+    `offset` starts where the file already ends (a file is appended to across staging rounds).
+    `stream_record` lets one large record of a torch.save archive come from elsewhere: when
+    torch.save writes the placeholder storage's bytes, the real bytes are written instead."""
+
+    def __init__(self, handle: WriteHandle, checksums: bool, offset: int = 0) -> None:
         self._handle = handle
         self._checksums = checksums
-        self.offset = 0
+        self.offset = offset
         self._crc = 0
+        self._substitute: Optional[tuple[int, int, Iterable]] = None
 
     def write(self, data) -> int:
+        sub = self._substitute
+        if sub is not None and len(data) == sub[1] and _address(data) == sub[0]:
+            self._substitute = None
+            for piece in sub[2]:
+                self._write(piece)
+            return len(data)
+        return self._write(data)
+
+    def _write(self, data) -> int:
         n = self._handle.write(data)
         if self._checksums:
             self._crc = zlib.crc32(data, self._crc)
@@ -45,10 +66,49 @@ class ItemSink:
     def item_crc(self) -> Optional[int]:
         return self._crc if self._checksums else None
 
+    def stream_record(self, placeholder: torch.Tensor, pieces: Iterable) -> None:
+        self._substitute = (placeholder.data_ptr(), placeholder.untyped_storage().nbytes(), pieces)
 
-def write_tensor(sink: ItemSink, tensor: torch.Tensor) -> None:
-    """A standalone torch.save archive of `tensor`, which must own a compact storage."""
-    torch.save(tensor, sink)
+    def check_streamed(self) -> None:
+        if self._substitute is not None:
+            self._substitute = None
+            raise RuntimeError("torch.save did not write the streamed tensor's bytes in one record")
+
+
+def _address(data) -> int:
+    import numpy
+
+    return numpy.frombuffer(data, dtype=numpy.uint8).ctypes.data
+
+
+def write_tensor(sink: ItemSink, tensor: torch.Tensor, fmt: str = TORCH_SAVE) -> None:
+    """One tensor item. torch_save: a standalone torch.save archive of `tensor`, which must own a
+    compact storage. safetensors: its raw bytes."""
+    if fmt == SAFETENSORS:
+        if tensor.nbytes:
+            sink.write(_raw_bytes(tensor))
+    else:
+        torch.save(tensor, sink)
+
+
+def write_tensor_streamed(
+    sink: ItemSink, dtype: torch.dtype, shape: Sequence[int], pieces: Iterable, fmt: str = TORCH_SAVE
+) -> None:
+    """A tensor too large to stage whole, from `pieces` (buffers, in C order, that together hold
+    its bytes). The torch_save bytes are the same as `write_tensor` would write: torch.save runs
+    on a placeholder whose pages are never touched, and its one data record is replaced."""
+    if fmt == SAFETENSORS:
+        for piece in pieces:
+            sink.write(piece)
+        return
+    placeholder = torch.empty(tuple(shape), dtype=dtype)  # untouched: costs address space, not memory
+    sink.stream_record(placeholder, pieces)
+    torch.save(placeholder, sink)
+    sink.check_streamed()
+
+
+def _raw_bytes(tensor: torch.Tensor):
+    return tensor.reshape(-1).view(torch.uint8).numpy()
 
 
 def write_object_bytes(sink: ItemSink, data: bytes) -> None:
@@ -106,3 +166,52 @@ def decode_checksums(data: bytes) -> list[ItemChecksum]:
 
 def crc32_of(data) -> int:
     return zlib.crc32(data)
+
+
+# safetensors ------------------------------------------------------------------------------------
+def _safetensors_dtypes() -> dict[torch.dtype, str]:
+    names = {
+        "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64",
+        "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL", "uint16": "U16",
+        "uint32": "U32", "uint64": "U64", "complex64": "C64", "float8_e4m3fn": "F8_E4M3",
+        "float8_e5m2": "F8_E5M2", "float8_e4m3fnuz": "F8_E4M3FNUZ", "float8_e5m2fnuz": "F8_E5M2FNUZ",
+    }
+    return {getattr(torch, n): code for n, code in names.items() if hasattr(torch, n)}
+
+
+SAFETENSORS_DTYPES = _safetensors_dtypes()
+
+
+@dataclass(frozen=True)
+class SafetensorsEntry:
+    """One tensor of a safetensors bucket file, in file order."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    saved_offsets: Optional[tuple[int, ...]]  # the chunk's offsets in the whole tensor (DCP)
+
+
+def safetensors_header(entries: Sequence[SafetensorsEntry]) -> bytes:
+    """The 8-byte length plus JSON header of a safetensors file holding `entries` back to back.
+    The chunk offsets go into `__metadata__` under DCP_SHARDING_INFO, as DCP's
+    HuggingFaceStorageReader expects. A name seen twice in one file gets its offsets appended."""
+    header: dict = {}
+    sharding: dict = {}
+    begin = 0
+    for entry in entries:
+        if entry.dtype not in SAFETENSORS_DTYPES:
+            raise ValueError(f"{entry.name}: dtype {entry.dtype} cannot be stored in safetensors format")
+        offsets = list(entry.saved_offsets) if entry.saved_offsets is not None else [0] * len(entry.shape)
+        name = entry.name if entry.name not in header else f"{entry.name}@{offsets}"
+        numel = 1
+        for dim in entry.shape:
+            numel *= dim
+        end = begin + numel * torch.empty((), dtype=entry.dtype).element_size()
+        header[name] = {"dtype": SAFETENSORS_DTYPES[entry.dtype], "shape": list(entry.shape), "data_offsets": [begin, end]}
+        sharding[name] = {"saved_offsets": offsets}
+        begin = end
+    header["__metadata__"] = {"format": "pt", DCP_SHARDING_INFO: json.dumps(sharding)}
+    body = json.dumps(header, separators=(",", ":")).encode()
+    body += b" " * (-len(body) % 8)
+    return struct.pack("<Q", len(body)) + body

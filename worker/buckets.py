@@ -1,24 +1,39 @@
-"""Size-balanced bucketing: which item goes into which data file."""
+"""Size-balanced bucketing (which item goes into which data file) and staging rounds (which items
+are staged together when the staging pool is smaller than the state)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
+from asyncckpt.formats import SAFETENSORS, SAFETENSORS_SUFFIX, TORCH_SAVE
 from asyncckpt.protocol import TENSOR, ItemSpec
+
+ALIGNMENT = 64  # every staged item starts on this boundary in the staging slab
+
+
+def staged_size(spec: ItemSpec) -> int:
+    """Bytes an item takes in the staging slab (objects are not staged: 0)."""
+    return (spec.nbytes + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT if spec.kind == TENSOR else 0
 
 
 @dataclass
 class Bucket:
-    """One data file and the item positions it holds, in write order."""
+    """One data file and the item positions it holds, in write order; `format` says how its
+    tensors are written (a safetensors save keeps its objects in a torch_save file of their own)."""
 
     file_name: str
     positions: list[int] = field(default_factory=list)
     nbytes: int = 0
+    format: str = TORCH_SAVE
 
 
-def data_file_name(rank: int, n: int) -> str:
-    return f"__{rank}_{n}.distcp"
+def data_file_name(rank: int, n: int, fmt: str = TORCH_SAVE) -> str:
+    return f"__{rank}_{n}" + (SAFETENSORS_SUFFIX if fmt == SAFETENSORS else ".distcp")
+
+
+def objects_file_name(rank: int) -> str:
+    return f"__{rank}_objects.distcp"
 
 
 def make_buckets(
@@ -27,12 +42,14 @@ def make_buckets(
     rank: int,
     io_workers: int,
     separation_hint: Optional[str] = None,
+    fmt: str = TORCH_SAVE,
 ) -> list[Bucket]:
     """Split items into at most `io_workers` files per group, balancing bytes.
 
     Tensors go largest first into the lightest bucket; pickled objects are spread round-robin.
     Items whose name starts with `separation_hint` form a group of their own files. File names are
-    deterministic for the same items and settings.
+    deterministic for the same items and settings. With fmt="safetensors" the bucket files hold
+    tensors only and every object goes into one more file, `__{rank}_objects.distcp`.
     """
     groups: list[list[int]] = [[], []]
     for pos, spec in enumerate(items):
@@ -46,7 +63,10 @@ def make_buckets(
         count = min(io_workers, len(positions))
         group = [Bucket(file_name="") for _ in range(count)]
         tensors = [p for p in positions if items[p].kind == TENSOR]
-        objects = [p for p in positions if items[p].kind != TENSOR]
+        objects = [p for p in positions if items[p].kind != TENSOR and fmt != SAFETENSORS]
+        if fmt == SAFETENSORS:
+            count = min(io_workers, max(len(tensors), 1))
+            group = group[:count]
         for pos in sorted(tensors, key=lambda p: (-items[p].nbytes, p)):
             lightest = min(group, key=lambda b: b.nbytes)
             lightest.positions.append(pos)
@@ -58,5 +78,54 @@ def make_buckets(
         buckets.extend(b for b in group if b.positions)
 
     for n, bucket in enumerate(buckets):
-        bucket.file_name = data_file_name(rank, n)
+        bucket.file_name = data_file_name(rank, n, fmt)
+        bucket.format = fmt
+    objects = [p for p, spec in enumerate(items) if spec.kind != TENSOR]
+    if fmt == SAFETENSORS and objects:
+        buckets.append(Bucket(objects_file_name(rank), objects, sum(object_sizes.get(p, 0) for p in objects)))
     return buckets
+
+
+@dataclass
+class Round:
+    """Items staged together and then written; their staged sizes fit the budget. A `streamed`
+    round is one tensor larger than the budget, copied through the slab in pieces as it is written."""
+
+    positions: list[int]
+    streamed: bool = False
+
+
+def plan_rounds(items: Sequence[ItemSpec], buckets: Sequence[Bucket], budget: Optional[int]) -> list[Round]:
+    """Cut the save into staging rounds of at most `budget` staged bytes (one round: no budget).
+
+    Items are taken in order of where they start in their file, so every file is written front to
+    back, a round's items spread over the files (parallel writes), and each file gets its items in
+    bucket order: the files are the same as without a budget."""
+    if budget is None:
+        return [Round([pos for bucket in buckets for pos in bucket.positions])]
+    order = []
+    for b, bucket in enumerate(buckets):
+        start = 0
+        for i, pos in enumerate(bucket.positions):
+            order.append((start, b, i, pos))
+            start += staged_size(items[pos])
+    order.sort()
+    rounds: list[Round] = []
+    current: list[int] = []
+    used = 0
+    for _, _, _, pos in order:
+        size = staged_size(items[pos])
+        if size > budget:
+            if current:
+                rounds.append(Round(current))
+            rounds.append(Round([pos], streamed=True))
+            current, used = [], 0
+            continue
+        if used + size > budget and current:
+            rounds.append(Round(current))
+            current, used = [], 0
+        current.append(pos)
+        used += size
+    if current or not rounds:
+        rounds.append(Round(current))
+    return rounds

@@ -25,6 +25,7 @@ class CachedStructure:
     sources: list[Optional[torch.Tensor]]
     views: list[Optional[torch.Tensor]] = field(default_factory=list)
     views_generation: int = -1
+    layout_key: tuple = ()  # the staging rounds the views were laid out for
 
 
 class StructureCache:

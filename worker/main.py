@@ -20,8 +20,9 @@ from asyncckpt.formats import use_fast_serialization
 from asyncckpt.protocol import SaveFailed, SaveRequest, Shutdown, Staged, WorkerSettings
 
 from .cache import CacheMiss, StructureCache
+from .rounds import run_save
 from .staging import StagingPool
-from .writers import StagedSave, WriteError, Writers
+from .writers import WriteError, Writers
 
 log = logging.getLogger("asyncckpt.worker")
 
@@ -53,29 +54,19 @@ class ServeLoop:
 
     def handle_save(self, request: SaveRequest) -> None:
         phase = "cache"
+        started = time.perf_counter()
+
+        def staged(staged_bytes: int) -> None:
+            nonlocal phase
+            self.conn.send(Staged(request.save_id, time.perf_counter() - started, staged_bytes, hit, os.getpid()))
+            phase = "write"
+
         try:
-            started = time.perf_counter()
             entry, hit = self.cache.apply(request)
             request.fresh_tensors.clear()  # the cache holds them now
             phase = "staging"
-            if entry.views_generation != self.pool.generation or not entry.views:
-                entry.views = self.pool.layout(entry.items)
-                entry.views_generation = self.pool.generation
-            staged_bytes = self.pool.copy_in(entry.sources, entry.views)
-            self.conn.send(
-                Staged(request.save_id, time.perf_counter() - started, staged_bytes, hit, os.getpid())
-            )
-            phase = "write"
-            save = StagedSave(
-                request.save_id,
-                self.settings.rank,
-                request.checkpoint_dir,
-                entry.items,
-                entry.views,
-                request.byte_items,
-                request.options,
-            )
-            self.conn.send(self.writers.write(save))
+            done = run_save(request, entry, self.pool, self.writers, self.settings.rank, staged)
+            self.conn.send(done)
         except WriteError as exc:
             self._fail(request.save_id, "write", str(exc), exc.path)
         except CacheMiss as exc:

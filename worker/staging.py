@@ -2,22 +2,20 @@
 
 Each staged tensor is a `torch.frombuffer` view over its own slice of the slab, so it owns a
 storage of exactly its size: `torch.save` then writes just that chunk, never the whole slab.
-The slab is allocated once and grown only when a larger structure arrives (pinned on GPU).
+The slab is allocated once and grown only when a larger layout arrives (pinned on GPU). With a
+staging budget the slab holds one round at a time (rounds reuse the same bytes), and a tensor
+larger than the budget passes through it in pieces (`pieces`).
 """
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import torch
 
 from asyncckpt.protocol import TENSOR, ItemSpec
 
-ALIGNMENT = 64
-
-
-def _align(n: int) -> int:
-    return (n + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
+from .buckets import ALIGNMENT, staged_size
 
 
 class StagingPool:
@@ -31,24 +29,31 @@ class StagingPool:
     def capacity(self) -> int:
         return 0 if self._slab is None else self._slab.numel()
 
-    def layout(self, items: Sequence[ItemSpec]) -> list[Optional[torch.Tensor]]:
-        """Compact staging tensors for every tensor item (None for objects)."""
-        offsets, total = [], 0
-        for spec in items:
-            offsets.append(total)
-            if spec.kind == TENSOR:
-                total += _align(spec.nbytes)
-        self._ensure_capacity(total)
+    def layout(
+        self, items: Sequence[ItemSpec], groups: Sequence[Sequence[int]], reserve: int = 0
+    ) -> list[Optional[torch.Tensor]]:
+        """Compact staging tensors for the tensor items of every group (None elsewhere). Each
+        group is laid out from the start of the slab: groups are staged one after the other.
+        The slab holds at least `reserve` bytes (the piece size for streamed tensors)."""
+        offsets: dict[int, int] = {}
+        need = reserve
+        for group in groups:
+            total = 0
+            for pos in group:
+                if items[pos].kind == TENSOR:
+                    offsets[pos] = total
+                    total += staged_size(items[pos])
+            need = max(need, total)
+        self._ensure_capacity(need)
         buffer = self._slab.numpy()
-        views: list[Optional[torch.Tensor]] = []
-        for spec, start in zip(items, offsets):
-            if spec.kind != TENSOR:
-                views.append(None)
-            elif spec.nbytes == 0:
-                views.append(torch.empty(spec.shape, dtype=spec.dtype))
+        views: list[Optional[torch.Tensor]] = [None] * len(items)
+        for pos, start in offsets.items():
+            spec = items[pos]
+            if spec.nbytes == 0:
+                views[pos] = torch.empty(spec.shape, dtype=spec.dtype)
             else:
                 flat = torch.frombuffer(buffer[start : start + spec.nbytes], dtype=torch.uint8)
-                views.append(flat.view(spec.dtype).view(spec.shape))
+                views[pos] = flat.view(spec.dtype).view(spec.shape)
         return views
 
     def _ensure_capacity(self, nbytes: int) -> None:
@@ -62,21 +67,47 @@ class StagingPool:
         """Copy every source tensor into its staging view; return the bytes copied.
 
         GPU sources are copied with non-blocking copies on a side stream and one synchronize."""
-        copied = 0
-        on_gpu = any(s is not None and s.is_cuda for s in sources)
-        if on_gpu:
-            if self._stream is None:
-                self._stream = torch.cuda.Stream()
-            with torch.cuda.stream(self._stream):
-                for src, dst in zip(sources, views):
-                    if src is not None:
-                        dst.copy_(src, non_blocking=src.is_cuda)
-                        copied += dst.nbytes
-            self._stream.synchronize()
+        pairs = [(src, dst) for src, dst in zip(sources, views) if src is not None]
+        if any(src.is_cuda for src, _ in pairs):
+            stream = self._side_stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for src, dst in pairs:
+                    dst.copy_(src, non_blocking=src.is_cuda)
+            stream.synchronize()
         else:
-            for src, dst in zip(sources, views):
-                if src is not None:
-                    dst.copy_(src)
-                    copied += dst.nbytes
-        return copied
+            for src, dst in pairs:
+                dst.copy_(src)
+        return sum(dst.nbytes for _, dst in pairs)
 
+    def pieces(self, source: torch.Tensor) -> Iterator:
+        """Copy `source` through the slab piece by piece (C order, each at most the slab's size)
+        and yield each piece's bytes. A piece is valid until the next one is requested."""
+        limit = self.capacity
+        flat = self._slab
+        for piece in _pieces(source, limit):
+            nbytes = piece.numel() * piece.element_size()
+            staged = flat[:nbytes].view(piece.dtype).view(piece.shape)
+            self.copy_in([piece], [staged])
+            yield flat[:nbytes].numpy()
+
+    def _side_stream(self):
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+        return self._stream
+
+
+def _pieces(tensor: torch.Tensor, limit: int) -> Iterator[torch.Tensor]:
+    """Views of `tensor` that cover it in C order, each at most `limit` bytes (or one element)."""
+    size = tensor.element_size()
+    if tensor.numel() * size <= limit or tensor.dim() == 0:
+        yield tensor
+        return
+    row = tensor[0].numel() * size
+    if row <= limit:
+        step = max(limit // max(row, 1), 1)
+        for start in range(0, tensor.shape[0], step):
+            yield tensor[start : start + step]
+    else:
+        for i in range(tensor.shape[0]):
+            yield from _pieces(tensor[i], limit)

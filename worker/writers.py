@@ -1,27 +1,27 @@
-"""Writing buckets to storage: with threads, or with one forked child process per bucket.
+"""Writing data files: each staging round's part of every file, with threads or forked children.
 
-Both modes run the same `write_bucket`, so they produce byte-identical files. A failure names the
-file; the partial file is removed.
+Both modes run the same `write_part`, so they produce byte-identical files. Files are opened by
+the worker (rounds.py) and appended to round after round; a failure names the file.
 """
 
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import pickle
 import signal
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Iterable, Optional, Sequence
 
 import torch
 
-from asyncckpt.formats import ItemSink, use_fast_serialization, write_object_bytes, write_tensor
-from asyncckpt.protocol import TENSOR, ItemSpec, ItemWritten, WriteDone, WriteOptions
-from asyncckpt.storage import Storage, storage_for
+from asyncckpt.formats import ItemSink, use_fast_serialization, write_object_bytes, write_tensor, write_tensor_streamed
+from asyncckpt.protocol import TENSOR, ItemSpec, ItemWritten, WriteOptions
+from asyncckpt.storage import WriteHandle
 
-from .buckets import Bucket, make_buckets
+from .buckets import Bucket
 
 
 class WriteError(Exception):
@@ -37,136 +37,161 @@ class WriteError(Exception):
 
 
 @dataclass
-class StagedSave:
-    """Everything a writer needs for one save: items, their staged tensors and pickled objects."""
+class SaveData:
+    """What writers read for one save: the items, their staged tensors, the pickled objects."""
 
-    save_id: int
-    rank: int
-    checkpoint_dir: str
     items: Sequence[ItemSpec]
     staged: Sequence[Optional[torch.Tensor]]
     objects: dict[int, bytes]
     options: WriteOptions
 
 
-def write_bucket(storage: Storage, save: StagedSave, bucket: Bucket) -> list[ItemWritten]:
-    """Write one bucket file, fsync it, and say where each item landed."""
-    path = storage.join(save.checkpoint_dir, bucket.file_name)
-    try:
-        handle = storage.create(path, fsync=save.options.fsync)
-    except OSError as exc:
-        raise WriteError(path, _describe(exc)) from exc
-    sink = ItemSink(handle, checksums=save.options.checksums)
+@dataclass
+class OpenFile:
+    """A data file being written, round after round: the next item goes at `offset`."""
+
+    bucket: Bucket
+    path: str
+    handle: WriteHandle
+    offset: int = 0
+    committed: bool = False
+
+
+def write_part(data: SaveData, file: OpenFile, positions: Sequence[int], commit: bool):
+    """Append the items at `positions` to `file`; commit (fsync, close) it when asked.
+    Returns (where each item landed, the file's new end)."""
+    sink = ItemSink(file.handle, data.options.checksums, file.offset)
     written: list[ItemWritten] = []
     try:
-        for pos in bucket.positions:
-            spec = save.items[pos]
+        for pos in positions:
+            spec = data.items[pos]
             start = sink.begin_item()
             if spec.kind == TENSOR:
-                write_tensor(sink, save.staged[pos])
+                write_tensor(sink, data.staged[pos], file.bucket.format)
             else:
-                write_object_bytes(sink, save.objects[pos])
-            written.append(
-                ItemWritten(spec.index, bucket.file_name, start, sink.offset - start, sink.item_crc())
-            )
-        handle.commit()
+                write_object_bytes(sink, data.objects[pos])
+            written.append(_landed(spec, file, start, sink))
+        if commit:
+            file.handle.commit()
     except BaseException as exc:
-        handle.abort()
-        raise WriteError(path, _describe(exc)) from exc
-    return written
+        raise WriteError(file.path, describe(exc)) from exc
+    return written, sink.offset
 
 
-def _describe(exc: BaseException) -> str:
+def write_streamed(data: SaveData, file: OpenFile, pos: int, pieces: Iterable) -> list[ItemWritten]:
+    """Append one tensor that passes through the staging slab in `pieces` (runs in the worker,
+    which may touch CUDA; forked writers never do)."""
+    spec = data.items[pos]
+    sink = ItemSink(file.handle, data.options.checksums, file.offset)
+    try:
+        start = sink.begin_item()
+        write_tensor_streamed(sink, spec.dtype, spec.shape, pieces, file.bucket.format)
+    except BaseException as exc:
+        raise WriteError(file.path, describe(exc)) from exc
+    file.offset = sink.offset
+    return [_landed(spec, file, start, sink)]
+
+
+def _landed(spec: ItemSpec, file: OpenFile, start: int, sink: ItemSink) -> ItemWritten:
+    return ItemWritten(spec.index, file.bucket.file_name, start, sink.offset - start, sink.item_crc())
+
+
+def describe(exc: BaseException) -> str:
+    # torch.save's C++ writer turns an OSError from write() (ENOSPC, EFBIG, EIO) into a bare
+    # "unexpected pos" RuntimeError; the OSError survives only as its __context__
+    seen = exc
+    for _ in range(8):  # a short walk down the chain (chains can loop)
+        if seen is None or (isinstance(seen, OSError) and seen.errno):
+            break
+        seen = seen.__cause__ or seen.__context__
+    if isinstance(seen, OSError):
+        exc = seen
     if isinstance(exc, OSError) and exc.errno:
-        import errno as _errno
-
-        return f"[{_errno.errorcode.get(exc.errno, exc.errno)}] {exc.strerror or exc}"
+        return f"[{errno.errorcode.get(exc.errno, exc.errno)}] {exc.strerror or exc}"
     return f"{type(exc).__name__}: {exc}"
 
 
 class Writers:
-    """Runs the writes of one save in the configured I/O mode."""
+    """Runs the writes of one round in the configured I/O mode."""
 
     def __init__(self) -> None:
         self._threads: Optional[ThreadPoolExecutor] = None
         self._thread_count = 0
         self.children: set[int] = set()  # pids of live forked writers, for the watchdog
 
-    def write(self, save: StagedSave) -> WriteDone:
-        started = time.perf_counter()
-        storage = storage_for(save.checkpoint_dir)
-        object_sizes = {pos: len(data) for pos, data in save.objects.items()}
-        buckets = make_buckets(
-            save.items, object_sizes, save.rank, save.options.io_workers, save.options.separation_hint
-        )
-        if save.options.io == "process":
-            results = self._write_in_children(storage, save, buckets)
+    def run(self, data: SaveData, parts: list[tuple[OpenFile, list[int]]], final: bool) -> list[ItemWritten]:
+        """Write every part (one per file, so no two writers share a file); with `final`, also
+        commit every file of `parts`. Waits for all before reporting the first failure."""
+        options = data.options
+        if options.io == "process":
+            outcomes = self._in_children(data, [(f, p) for f, p in parts if p])
+            if final:
+                outcomes += self._in_threads(options.io_workers, [(f, _commit, (f,)) for f, _ in parts])
         else:
-            results = self._write_in_threads(storage, save, buckets)
-        items = tuple(item for bucket_items in results for item in bucket_items)
-        return WriteDone(
-            save_id=save.save_id,
-            items=items,
-            files=tuple(b.file_name for b in buckets),
-            bytes_written=sum(i.length for i in items),
-            write_s=time.perf_counter() - started,
-        )
+            calls = [(f, write_part, (data, f, p, final)) for f, p in parts]
+            outcomes = self._in_threads(options.io_workers, calls)
+        first_error = next((o for o in outcomes if isinstance(o, WriteError)), None)
+        if first_error is not None:
+            raise first_error
+        written: list[ItemWritten] = []
+        for outcome in outcomes:
+            if outcome is not None:
+                items, end, file = outcome
+                written += items
+                file.offset = end
+        if final:
+            for file, _ in parts:
+                file.committed = True
+        return written
 
-    def _write_in_threads(self, storage: Storage, save: StagedSave, buckets: list[Bucket]):
-        if self._threads is None or self._thread_count != save.options.io_workers:
+    def _in_threads(self, workers: int, calls: list[tuple]) -> list:
+        """Run (file, fn, args) calls on the writer threads; each outcome is a WriteError,
+        None, or (items, end, file)."""
+        if self._threads is None or self._thread_count != workers:
             self.close()
             # torch's serialization config is per thread (a ContextVar): each writer thread turns
             # torch.save's own CRC off itself, or thread and process modes would differ in bytes
-            self._threads = ThreadPoolExecutor(
-                save.options.io_workers, thread_name_prefix="asyncckpt-writer", initializer=use_fast_serialization
-            )
-            self._thread_count = save.options.io_workers
-        futures = [self._threads.submit(write_bucket, storage, save, b) for b in buckets]
-        results, first_error = [], None
-        for future in futures:  # wait for all, so no thread still writes when we report
+            self._threads = ThreadPoolExecutor(workers, thread_name_prefix="asyncckpt-writer", initializer=use_fast_serialization)
+            self._thread_count = workers
+        futures = [(file, self._threads.submit(fn, *args)) for file, fn, args in calls]
+        outcomes = []
+        for file, future in futures:
             try:
-                results.append(future.result())
+                result = future.result()
             except WriteError as exc:
-                first_error = first_error or exc
-        if first_error is not None:
-            raise first_error
-        return results
+                outcomes.append(exc)
+                continue
+            outcomes.append(None if result is None else (*result, file))
+        return outcomes
 
-    def _write_in_children(self, storage: Storage, save: StagedSave, buckets: list[Bucket]):
-        launched = [(bucket, *self._fork_writer(storage, save, bucket)) for bucket in buckets]
-        results, first_error = [], None
-        for bucket, pid, read_fd in launched:
+    def _in_children(self, data: SaveData, parts: list[tuple[OpenFile, list[int]]]) -> list:
+        launched = [(file, *self._fork_writer(data, file, positions)) for file, positions in parts]
+        outcomes = []
+        for file, pid, read_fd in launched:
             payload = _read_all(read_fd)
             _, status = os.waitpid(pid, 0)
             self.children.discard(pid)
-            path = storage.join(save.checkpoint_dir, bucket.file_name)
             try:
                 outcome = pickle.loads(payload)
             except Exception:
-                outcome = WriteError(path, f"writer process died ({_exit_reason(status)})")
-            if isinstance(outcome, WriteError):
-                first_error = first_error or outcome
-            else:
-                results.append(outcome)
-        if first_error is not None:
-            raise first_error
-        return results
+                outcome = WriteError(file.path, f"writer process died ({_exit_reason(status)})")
+            outcomes.append(outcome if isinstance(outcome, WriteError) else (*outcome, file))
+        return outcomes
 
-    def _fork_writer(self, storage: Storage, save: StagedSave, bucket: Bucket) -> tuple[int, int]:
+    def _fork_writer(self, data: SaveData, file: OpenFile, positions: list[int]) -> tuple[int, int]:
         read_fd, write_fd = os.pipe()
         pid = os.fork()
-        if pid == 0:  # child: write one bucket, report, exit without running any parent cleanup
+        if pid == 0:  # child: write one part, report, exit without running any parent cleanup
             code = 0
             try:
                 os.close(read_fd)
                 _die_with_parent()
                 use_fast_serialization()
                 try:
-                    outcome = write_bucket(storage, save, bucket)
+                    outcome = write_part(data, file, positions, commit=False)
                 except WriteError as exc:
                     outcome, code = exc, 1
-                data = pickle.dumps(outcome)
-                view = memoryview(data)
+                view = memoryview(pickle.dumps(outcome))
                 while view:
                     view = view[os.write(write_fd, view) :]
             finally:
@@ -186,6 +211,14 @@ class Writers:
         if self._threads is not None:
             self._threads.shutdown(wait=True)
             self._threads = None
+
+
+def _commit(file: OpenFile):
+    try:
+        file.handle.commit()
+    except BaseException as exc:
+        raise WriteError(file.path, describe(exc)) from exc
+    return None
 
 
 def _read_all(fd: int) -> bytes:

@@ -1,0 +1,135 @@
+"""One save inside the worker: open its data files, then stage and write them round by round.
+
+Without a staging budget there is one round: stage everything, send `Staged`, write. With
+`staging_budget_bytes` the items are cut into rounds whose staged bytes fit the budget, all staged
+through one budget-sized slab. The trainer's tensors must not change until every byte is copied,
+so every round but the last is staged *and written* before `Staged`; the last is staged, then
+`Staged` goes out, then it is written. Memory stays at the budget; the trainer waits longer (eager
+mode) for that. A tensor larger than the budget is copied through the slab in pieces while it is
+written, before `Staged` too. Files are appended to round after round, so they come out the same
+as without a budget.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Optional
+
+from asyncckpt.formats import SAFETENSORS, SafetensorsEntry, safetensors_header
+from asyncckpt.protocol import ItemSpec, SaveRequest, WriteDone, WriteOptions
+from asyncckpt.storage import Storage, storage_for
+
+from .buckets import Bucket, Round, make_buckets, plan_rounds
+from .cache import CachedStructure
+from .staging import StagingPool
+from .writers import OpenFile, SaveData, WriteError, Writers, describe, write_streamed
+
+
+def run_save(
+    request: SaveRequest,
+    entry: CachedStructure,
+    pool: StagingPool,
+    writers: Writers,
+    rank: int,
+    on_staged: Callable[[int], None],
+) -> WriteDone:
+    """Stage and write one save; call `on_staged(bytes copied)` once every byte is copied."""
+    options = request.options
+    object_sizes = {pos: len(data) for pos, data in request.byte_items.items()}
+    buckets = make_buckets(
+        entry.items, object_sizes, rank, options.io_workers, options.separation_hint, options.format
+    )
+    rounds = plan_rounds(entry.items, buckets, options.staging_budget_bytes)
+    data = SaveData(entry.items, _views(entry, pool, rounds, options.staging_budget_bytes), request.byte_items, options)
+    files = open_files(storage_for(request.checkpoint_dir), request.checkpoint_dir, buckets, entry.items, options)
+    file_of = {pos: file for file in files for pos in file.bucket.positions}
+    written, staged_bytes, write_s = [], 0, 0.0
+    try:
+        for n, round_ in enumerate(rounds):
+            last = n == len(rounds) - 1
+            if round_.streamed:
+                pos = round_.positions[0]
+                started = time.perf_counter()
+                written += write_streamed(data, file_of[pos], pos, pool.pieces(entry.sources[pos]))
+                write_s += time.perf_counter() - started
+                staged_bytes += entry.items[pos].nbytes
+                parts = []
+            else:
+                staged_bytes += pool.copy_in(
+                    [entry.sources[p] for p in round_.positions], [data.staged[p] for p in round_.positions]
+                )
+                parts = [(f, p) for f, p in _parts(files, file_of, round_) if p]
+            if last:
+                on_staged(staged_bytes)
+                parts = _parts(files, file_of, Round([]) if round_.streamed else round_)
+            started = time.perf_counter()
+            if parts:
+                written += writers.run(data, parts, final=last)
+            write_s += time.perf_counter() - started
+    except BaseException:
+        abort(files)
+        raise
+    return WriteDone(
+        save_id=request.save_id,
+        items=tuple(written),
+        files=tuple(f.bucket.file_name for f in files),
+        bytes_written=sum(item.length for item in written),
+        write_s=write_s,
+    )
+
+
+def open_files(
+    storage: Storage, directory: str, buckets: list[Bucket], items: tuple[ItemSpec, ...], options: WriteOptions
+) -> list[OpenFile]:
+    """Create every data file of the save (a safetensors file starts with its header)."""
+    files: list[OpenFile] = []
+    try:
+        for bucket in buckets:
+            path = storage.join(directory, bucket.file_name)
+            try:
+                file = OpenFile(bucket, path, storage.create(path, fsync=options.fsync))
+                files.append(file)
+                if bucket.format == SAFETENSORS:
+                    file.offset = file.handle.write(_safetensors_header(bucket, items))
+            except (OSError, ValueError) as exc:
+                raise WriteError(path, describe(exc)) from exc
+    except BaseException:
+        abort(files)
+        raise
+    return files
+
+
+def abort(files: list[OpenFile]) -> None:
+    """Remove every file not yet committed (a failed save leaves no partial data file)."""
+    for file in files:
+        if not file.committed:
+            file.handle.abort()
+
+
+def _safetensors_header(bucket: Bucket, items: tuple[ItemSpec, ...]) -> bytes:
+    entries = []
+    for pos in bucket.positions:
+        spec = items[pos]
+        offsets = tuple(spec.index.offset) if spec.index.offset is not None else None
+        entries.append(SafetensorsEntry(spec.index.fqn, spec.dtype, spec.shape, offsets))
+    return safetensors_header(entries)
+
+
+def _parts(files: list[OpenFile], file_of: dict[int, OpenFile], round_: Round) -> list[tuple[OpenFile, list[int]]]:
+    """The round's items per file, in file order; every file appears (the last round commits all)."""
+    per_file: dict[int, list[int]] = {id(f): [] for f in files}
+    for pos in round_.positions:
+        per_file[id(file_of[pos])].append(pos)
+    return [(f, per_file[id(f)]) for f in files]
+
+
+def _views(entry: CachedStructure, pool: StagingPool, rounds: list[Round], budget: Optional[int]) -> list:
+    """Staging views for every item, laid out round by round; cached while nothing changed."""
+    groups = tuple(tuple(r.positions) for r in rounds if not r.streamed)
+    reserve = budget if budget is not None and any(r.streamed for r in rounds) else 0
+    key = (groups, reserve)
+    if entry.layout_key != key or entry.views_generation != pool.generation or not entry.views:
+        entry.views = pool.layout(entry.items, groups, reserve)
+        entry.views_generation = pool.generation
+        entry.layout_key = key
+    return entry.views
