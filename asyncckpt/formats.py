@@ -8,13 +8,20 @@ bytes); `.metadata` points at each tensor's raw byte range, and `CheckpointReade
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 import struct
 import zlib
 from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
 
 import torch
+from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
+from torch.futures import Future
 
 from .storage import WriteHandle
 
@@ -215,3 +222,49 @@ def safetensors_header(entries: Sequence[SafetensorsEntry]) -> bytes:
     body = json.dumps(header, separators=(",", ":")).encode()
     body += b" " * (-len(body) % 8)
     return struct.pack("<Q", len(body)) + body
+
+
+class CheckpointReader(FileSystemReader):
+    """DCP's FileSystemReader, plus items stored as raw bytes in safetensors bucket files (their
+    `.metadata` byte ranges point at the raw data; dtype and shape come from the metadata).
+    torch_save items and objects are read exactly as the stock reader reads them."""
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool) -> None:
+        super().set_up_storage_reader(metadata, is_coordinator)
+        self._tensor_metadata = metadata.state_dict_metadata
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        raw: dict[str, list[ReadItem]] = {}
+        rest: list[ReadItem] = []
+        for req in plan.items:
+            relative_path = self.storage_data[req.storage_index].relative_path
+            if relative_path.endswith(SAFETENSORS_SUFFIX):
+                raw.setdefault(relative_path, []).append(req)
+            else:
+                rest.append(req)
+        if rest:
+            super().read_data(dataclasses.replace(plan, items=rest), planner).wait()
+        for relative_path, reqs in raw.items():
+            with open(os.path.join(self.path, relative_path), "rb") as f:
+                for req in reqs:
+                    self._read_raw(f, req, planner)
+        fut: Future = Future()
+        fut.set_result(None)
+        return fut
+
+    def _read_raw(self, f, req: ReadItem, planner: LoadPlanner) -> None:
+        info = self.storage_data[req.storage_index]
+        meta = self._tensor_metadata[req.storage_index.fqn]
+        chunk = next(c for c in meta.chunks if tuple(c.offsets) == tuple(req.storage_index.offset))
+        data = torch.empty(info.length, dtype=torch.uint8)
+        f.seek(info.offset)
+        if info.length and f.readinto(data.numpy()) != info.length:
+            raise ValueError(f"{info.relative_path}: {req.storage_index.fqn} is truncated")
+        tensor = data.view(meta.properties.dtype).view(tuple(chunk.sizes))
+        tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
+        target = planner.resolve_tensor(req).detach()
+        if target.size() != tensor.size():
+            raise ValueError(f"{req.storage_index}: stored size {tuple(tensor.size())} != target {tuple(target.size())}")
+        target.copy_(tensor)
+        planner.commit_tensor(req, target)
+
