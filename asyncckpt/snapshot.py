@@ -81,7 +81,7 @@ def _shareable_tensor(tensor, fqn: str) -> tuple[torch.Tensor, bool]:
     if not isinstance(tensor, torch.Tensor):
         raise CheckpointError(f"state entry {fqn!r}: planner resolved {type(tensor).__name__}, not a tensor")
     fresh = False
-    if type(tensor) is not torch.Tensor and hasattr(tensor, "dequantize"):
+    if type(tensor).dequantize is not torch.Tensor.dequantize:  # not nn.Parameter: Tensor's own
         tensor, fresh = tensor.dequantize(), True  # FP8-style wrappers are stored dequantized
     tensor = tensor.detach()
     if tensor.is_sparse or tensor.layout != torch.strided:
