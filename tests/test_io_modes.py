@@ -97,3 +97,21 @@ def test_failure_when_overwriting_a_committed_step_leaves_it_uncommitted(ckpt_ro
     target = {"w": torch.zeros(1000), "b": torch.zeros(10)}
     dcp.load(target, checkpoint_id=step_dir, no_dist=True)
     assert torch.equal(target["w"], state["w"]) and torch.equal(target["b"], state["b"])
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+@pytest.mark.parametrize("io", MODES)
+def test_disk_full_inside_a_writer_names_the_file_and_commits_nothing(ckpt_root, io):
+    """The file opens fine and the writer thread (or forked child) gets ENOSPC on its first write."""
+    state = small_state()
+    step_dir = step_path(ckpt_root, 6)
+    os.makedirs(step_dir)
+    os.symlink("/dev/full", os.path.join(step_dir, "__0_2.distcp"))
+    with AsyncCheckpointer(ckpt_root, CheckpointConfig(io=io, io_workers=3)) as ckpt:
+        with pytest.raises(CheckpointError, match=r"__0_2\.distcp.*ENOSPC"):
+            ckpt.schedule_save(state, step=6)
+            ckpt.finalize(blocking=True)
+        assert not os.path.exists(os.path.join(step_dir, ".metadata"))
+        ckpt.schedule_save(state, step=6)
+        assert [r.step for r in ckpt.finalize(blocking=True)] == [6]
+    assert os.path.exists("/dev/full") and not os.path.islink(os.path.join(step_dir, "__0_2.distcp"))
