@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import struct
 import zlib
 from dataclasses import dataclass
@@ -224,10 +223,10 @@ def safetensors_header(entries: Sequence[SafetensorsEntry]) -> bytes:
     return struct.pack("<Q", len(body)) + body
 
 
-class CheckpointReader(FileSystemReader):
-    """DCP's FileSystemReader, plus items stored as raw bytes in safetensors bucket files (their
-    `.metadata` byte ranges point at the raw data; dtype and shape come from the metadata).
-    torch_save items and objects are read exactly as the stock reader reads them."""
+class SafetensorsItems:
+    """Mixin for DCP's FileSystemReader (or a subclass, e.g. multi-storage-client's): items stored
+    as raw bytes in safetensors bucket files are read from their `.metadata` byte range, with
+    dtype and shape from the metadata; everything else is read exactly as the base reader does."""
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool) -> None:
         super().set_up_storage_reader(metadata, is_coordinator)
@@ -245,8 +244,8 @@ class CheckpointReader(FileSystemReader):
         if rest:
             super().read_data(dataclasses.replace(plan, items=rest), planner).wait()
         for relative_path, reqs in raw.items():
-            with open(os.path.join(self.path, relative_path), "rb") as f:
-                for req in reqs:
+            with self.fs.create_stream(self.fs.concat_path(self.path, relative_path), "rb") as f:
+                for req in sorted(reqs, key=lambda r: self.storage_data[r.storage_index].offset):
                     self._read_raw(f, req, planner)
         fut: Future = Future()
         fut.set_result(None)
@@ -256,11 +255,11 @@ class CheckpointReader(FileSystemReader):
         info = self.storage_data[req.storage_index]
         meta = self._tensor_metadata[req.storage_index.fqn]
         chunk = next(c for c in meta.chunks if tuple(c.offsets) == tuple(req.storage_index.offset))
-        data = torch.empty(info.length, dtype=torch.uint8)
+        flat = torch.empty(info.length, dtype=torch.uint8)
         f.seek(info.offset)
-        if info.length and f.readinto(data.numpy()) != info.length:
+        if info.length and _read_into(f, flat.numpy()) != info.length:
             raise ValueError(f"{info.relative_path}: {req.storage_index.fqn} is truncated")
-        tensor = data.view(meta.properties.dtype).view(tuple(chunk.sizes))
+        tensor = flat.view(meta.properties.dtype).view(tuple(chunk.sizes))
         tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
         target = planner.resolve_tensor(req).detach()
         if target.size() != tensor.size():
@@ -268,3 +267,27 @@ class CheckpointReader(FileSystemReader):
         target.copy_(tensor)
         planner.commit_tensor(req, target)
 
+
+def _read_into(f, buffer) -> int:
+    """Fill `buffer` from `f`; return how many bytes came (fewer only at the end of the file)."""
+    view, got = memoryview(buffer).cast("B"), 0
+    while got < len(view):
+        if hasattr(f, "readinto"):
+            n = f.readinto(view[got:])
+        else:
+            data = f.read(len(view) - got)
+            n = len(data)
+            view[got : got + n] = data
+        if not n:
+            break
+        got += n
+    return got
+
+
+class CheckpointReader(SafetensorsItems, FileSystemReader):
+    """Reads local checkpoints of either format (torch_save items exactly as the stock reader)."""
+
+
+def with_safetensors_items(reader_class: type) -> type:
+    """`reader_class` (a FileSystemReader subclass) extended to read safetensors-format items."""
+    return type(f"Safetensors{reader_class.__name__}", (SafetensorsItems, reader_class), {})

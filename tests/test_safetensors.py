@@ -12,10 +12,11 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader
 
 from asyncckpt import AsyncCheckpointer, CheckpointConfig
-from asyncckpt.formats import CheckpointReader
+from asyncckpt.formats import CheckpointReader, with_safetensors_items
 from asyncckpt.loading import verify_checkpoint
 from conftest import assert_state_equal, clone_state, zeros_like_state
 
@@ -103,6 +104,9 @@ def test_round_trip_through_asyncckpt_reader_is_bitwise_equal(ckpt_root, io):
     path = save(ckpt_root, state, io=io, io_workers=3)
     target = zeros_like_state(expected)
     dcp.load(target, storage_reader=CheckpointReader(path), no_dist=True)
+    assert_state_equal(target, expected)
+    target = zeros_like_state(expected)  # the mixin on another FileSystemReader class
+    dcp.load(target, storage_reader=with_safetensors_items(FileSystemReader)(path), no_dist=True)
     assert_state_equal(target, expected)
     assert verify_checkpoint(path) == []
 
