@@ -1,0 +1,327 @@
+"""`python -m asyncckpt ls|inspect|verify|bench`: look into checkpoints without writing code.
+
+Exit codes: 0 ok, 1 damage found, 2 usage, 3 missing path, 4 not a checkpoint root/directory,
+5 torn (never committed), 6 unreadable metadata or sidecar, 70 internal error; `bench` returns
+the script's own."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import time
+import traceback
+import zlib
+from pathlib import Path
+from typing import Optional
+
+from .errors import CheckpointError
+from .formats import CHECKSUMS_FILE, decode_checksums
+from .loading import LATEST_FILE, METADATA_FILE, latest_checkpoint, list_checkpoints, parse_step, read_latest_marker, read_metadata
+from .storage import Storage, is_remote, storage_for
+
+EXIT_DAMAGED, EXIT_USAGE, EXIT_MISSING, EXIT_NOT_CHECKPOINT, EXIT_TORN, EXIT_UNREADABLE = 1, 2, 3, 4, 5, 6
+EXIT_INTERNAL = 70  # an unexpected exception (a bug): traceback on stderr
+BENCH_SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_save.py"
+_READ_CHUNK = 64 << 20
+
+
+class CliError(Exception):
+    """A one-line error for the user and the exit code that goes with it."""
+
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+# paths -----------------------------------------------------------------------------------------
+def _open_dir(path: str) -> tuple[Storage, str]:
+    """The storage for `path` and the path normalized; raises if it is missing or not a directory."""
+    path = path.rstrip("/") or "/"
+    try:
+        storage = storage_for(path)
+    except CheckpointError as exc:
+        raise CliError(str(exc), EXIT_UNREADABLE) from None
+    if not is_remote(path) and os.path.islink(path):
+        path = os.path.realpath(path)  # a symlinked root is fine; the library refuses links inside it
+    if storage.is_dir(path):
+        return storage, path
+    if storage.exists(path):
+        raise CliError(f"{path}: is a file, not a checkpoint root or directory", EXIT_NOT_CHECKPOINT)
+    raise CliError(f"{path}: no such directory", EXIT_MISSING)
+
+
+def _kind(storage: Storage, path: str) -> str:
+    """"checkpoint" (committed), "torn" (a step directory without .metadata), "root" or "other"."""
+    if storage.exists(storage.join(path, METADATA_FILE)):
+        return "checkpoint"
+    names = storage.list_dir(path)
+    if parse_step(os.path.basename(path)) is not None or any(n.endswith((".distcp", ".safetensors")) for n in names):
+        return "torn"
+    if LATEST_FILE in names or list_checkpoints(path, storage):
+        return "root"
+    return "other"
+
+
+def _checkpoint(path: str) -> tuple[Storage, str]:
+    """A committed checkpoint directory; a root stands for the checkpoint `latest` names."""
+    storage, path = _open_dir(path)
+    kind = _kind(storage, path)
+    if kind == "torn":
+        raise CliError(f"{path}: torn checkpoint (no {METADATA_FILE}: its save never committed)", EXIT_TORN)
+    if kind == "other":
+        raise CliError(f"{path}: not a checkpoint directory (no {METADATA_FILE}, no data files)", EXIT_NOT_CHECKPOINT)
+    if kind == "root":
+        info = latest_checkpoint(path)
+        if info is None:
+            raise CliError(f"{path}: checkpoint root without a committed checkpoint", EXIT_TORN)
+        print(f"{path}: using {info.name} (latest)", file=sys.stderr)
+        return storage, info.path
+    return storage, path
+
+
+def _metadata(path: str):
+    try:
+        metadata = read_metadata(path)
+    except Exception as exc:
+        raise CliError(f"{path}: cannot read {METADATA_FILE}: {exc}", EXIT_UNREADABLE) from None
+    if not hasattr(metadata, "state_dict_metadata"):
+        raise CliError(f"{path}: {METADATA_FILE} is not DCP metadata", EXIT_UNREADABLE)
+    return metadata
+
+
+# formatting ------------------------------------------------------------------------------------
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+
+
+def _age(seconds: Optional[float]) -> str:
+    if seconds is None:
+        return "-"
+    for limit, unit, scale in ((120, "s", 1), (7200, "m", 60), (172800, "h", 3600)):
+        if seconds < limit:
+            return f"{seconds / scale:.0f}{unit}"
+    return f"{seconds / 86400:.0f}d"
+
+
+def _table(headers: list[str], rows: list[list[str]], right: set[int]) -> None:
+    widths = [max(len(str(c)) for c in column) for column in zip(headers, *rows)]
+    for row in [headers, *rows]:
+        cells = [str(c).rjust(w) if i in right else str(c).ljust(w) for i, (c, w) in enumerate(zip(row, widths))]
+        print("  ".join(cells).rstrip())
+
+
+class _Progress:
+    """A one-line text progress bar on stderr: redrawn at most ten times a second on a terminal,
+    drawn once at the end otherwise (logs stay readable)."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.total, self.done, self.enabled, self._drawn = max(total, 1), 0, enabled, 0.0
+        self.live = enabled and sys.stderr.isatty()
+
+    def advance(self, n: int, label: str) -> None:
+        self.done += n
+        if self.live and time.monotonic() - self._drawn > 0.1:
+            self._draw(label, end="")
+
+    def _draw(self, label: str, end: str) -> None:
+        width = shutil.get_terminal_size((80, 20)).columns - 1
+        fraction = min(self.done / self.total, 1.0)
+        line = f"[{'#' * int(fraction * 30):<30}] {fraction:4.0%} {_size(self.done)} / {_size(self.total)}  {label}"
+        sys.stdout.flush()
+        sys.stderr.write("\r" + line[:width].ljust(width) + end if self.live else line + end)
+        sys.stderr.flush()
+        self._drawn = time.monotonic()
+
+    def clear(self) -> None:
+        if self._drawn:
+            sys.stderr.write("\r" + " " * (shutil.get_terminal_size((80, 20)).columns - 1) + "\r")
+            self._drawn = 0.0
+
+    def finish(self) -> None:
+        if self.enabled:
+            self._draw("done", end="\n")
+
+
+# commands --------------------------------------------------------------------------------------
+def cmd_ls(args: argparse.Namespace) -> int:
+    storage, root = _open_dir(args.root)
+    kind = _kind(storage, root)
+    if kind in ("checkpoint", "torn"):
+        raise CliError(f"{root}: is a checkpoint directory, not a root (try: asyncckpt inspect {root})", EXIT_NOT_CHECKPOINT)
+    if kind == "other":
+        raise CliError(f"{root}: not a checkpoint root (no step_NNNNNNNN directories, no {LATEST_FILE} file)", EXIT_NOT_CHECKPOINT)
+    latest = read_latest_marker(root, storage)
+    rows = [_ls_row(storage, info, latest) for info in list_checkpoints(root, storage)]
+    total = sum(row.pop() for row in rows)
+    _table(["STEP", "STATE", "SIZE", "FILES", "AGE", "DIR", ""], rows, right={0, 2, 3, 4})
+    committed = {row[5] for row in rows if row[1] == "committed"}
+    print(f"{len(rows)} checkpoint{'s' * (len(rows) != 1)} ({len(committed)} committed, {len(rows) - len(committed)} torn), {_size(total)}")
+    if len(committed) < len(rows):
+        print(f"torn = no {METADATA_FILE}: the save never committed (or is still being written)")
+    if latest is not None and latest not in committed:
+        print(f"warning: {LATEST_FILE} names {latest!r}, which is not a committed checkpoint here", file=sys.stderr)
+    return 0
+
+
+def _ls_row(storage: Storage, info, latest: Optional[str]) -> list:
+    """One table row (and, last, the size in bytes); a save in flight may change files meanwhile."""
+    size, count, age = 0, 0, None
+    try:
+        for name in storage.list_dir(info.path):
+            file = storage.join(info.path, name)
+            if storage.exists(file):
+                size, count = size + storage.size(file), count + 1
+        stamp = storage.join(info.path, METADATA_FILE) if info.committed else info.path
+        age = None if is_remote(stamp) else time.time() - os.path.getmtime(stamp)
+    except OSError:
+        pass  # vanished while we looked: a torn save being cleaned up
+    state = "committed" if info.committed else "torn"
+    mark = "<- latest" if info.name == latest else ""
+    return [str(info.step), state, _size(size), str(count), _age(age), info.name, mark, size]
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    _, path = _checkpoint(args.path)
+    metadata = _metadata(path)
+    places: dict[str, list] = {}
+    for index, info in (metadata.storage_data or {}).items():
+        places.setdefault(index.fqn, []).append(info)
+    rows, tensor_bytes, object_bytes = [], 0, 0
+    for fqn, item in metadata.state_dict_metadata.items():
+        stored = places.get(fqn, [])
+        files = ",".join(sorted({s.relative_path for s in stored})) or "-"
+        on_disk = sum(s.length for s in stored)
+        if hasattr(item, "chunks"):  # TensorStorageMetadata
+            nbytes = item.size.numel() * item.properties.dtype.itemsize
+            shape = "x".join(str(d) for d in item.size) or "scalar"
+            dtype = str(item.properties.dtype).replace("torch.", "")
+            rows.append([fqn, "tensor", dtype, shape, _size(nbytes), _size(on_disk), files])
+            tensor_bytes += nbytes
+        else:
+            rows.append([fqn, "object", "-", "-", _size(on_disk), _size(on_disk), files])
+            object_bytes += on_disk
+    print(path)
+    _table(["KEY", "KIND", "DTYPE", "SHAPE", "SIZE", "STORED", "FILE"], rows, right={4, 5})
+    tensors = sum(r[1] == "tensor" for r in rows)
+    print(f"{tensors} tensors ({_size(tensor_bytes)}), {len(rows) - tensors} objects ({_size(object_bytes)})")
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    storage, path = _checkpoint(args.path)
+    metadata = _metadata(path)
+    sidecar = storage.join(path, CHECKSUMS_FILE)
+    if not storage.exists(sidecar):
+        raise CliError(f"{path}: no {CHECKSUMS_FILE} (saved with checksums=False?); cannot verify", EXIT_UNREADABLE)
+    try:
+        sums = {(e.fqn, e.offset): e for e in decode_checksums(storage.read_bytes(sidecar))}
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CliError(f"{path}: cannot read {CHECKSUMS_FILE}: {exc!r}", EXIT_UNREADABLE) from None
+    items = sorted((metadata.storage_data or {}).items(), key=lambda kv: (kv[1].relative_path, kv[1].offset))
+    progress = _Progress(sum(info.length for _, info in items), enabled=not args.quiet)
+    damaged, unchecked = 0, 0
+    for index, info in items:
+        offset = tuple(index.offset) if index.offset is not None else None
+        name = index.fqn if offset is None else f"{index.fqn}{list(offset)}"
+        expected = sums.get((index.fqn, offset))
+        unchecked += expected is None
+        problem = _check_item(storage, path, info, expected, name, progress)
+        if problem:
+            damaged += 1
+            progress.clear()
+            print(f"DAMAGED {info.relative_path}: {name}: {problem}", flush=True)
+    progress.finish()
+    note = f" ({unchecked} without a checksum: only read back)" if unchecked else ""
+    if damaged:
+        print(f"{path}: {damaged} of {len(items)} items damaged{note}")
+        return EXIT_DAMAGED
+    print(f"{path}: OK, {len(items)} items, {_size(progress.done)} verified{note}")
+    return 0
+
+
+def _check_item(storage: Storage, path: str, info, expected, name: str, progress: _Progress) -> Optional[str]:
+    """Re-read one item's byte range in chunks; the problem in words, or None when intact."""
+    if expected is not None and (expected.relative_path, expected.start, expected.length) != (info.relative_path, info.offset, info.length):
+        return f"{CHECKSUMS_FILE} and {METADATA_FILE} disagree on its location"
+    file, crc, read = storage.join(path, info.relative_path), 0, 0
+    try:
+        while read < info.length:
+            data = storage.read_bytes(file, info.offset + read, min(_READ_CHUNK, info.length - read))
+            if not data:
+                break
+            crc, read = zlib.crc32(data, crc), read + len(data)
+            progress.advance(len(data), name)
+    except OSError as exc:
+        progress.advance(info.length - read, name)
+        return f"cannot read ({exc.strerror or exc})"
+    if read < info.length:
+        progress.advance(info.length - read, name)
+        return f"truncated: {read} of {info.length} bytes at offset {info.offset}"
+    if expected is not None and crc != expected.crc32:
+        return f"checksum mismatch in bytes {info.offset}..{info.offset + info.length} (crc32 {crc:08x}, expected {expected.crc32:08x})"
+    return None
+
+
+def cmd_bench(argv: list[str]) -> int:
+    """Run the benchmark script with every argument passed through; its exit code is ours."""
+    if not BENCH_SCRIPT.is_file():
+        print(f"asyncckpt bench: error: {BENCH_SCRIPT}: no such file (bench needs a source checkout)", file=sys.stderr)
+        return EXIT_MISSING
+    try:
+        code = subprocess.call([sys.executable, str(BENCH_SCRIPT), *argv])
+    except KeyboardInterrupt:
+        return 130
+    return 128 - code if code < 0 else code
+
+
+# entry point -----------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="asyncckpt",
+        description="Look into asyncckpt / PyTorch DCP checkpoints: list, inspect, verify; run the benchmark.",
+        epilog="exit codes: 0 ok, 1 damaged, 2 usage, 3 missing path, 4 not a checkpoint, 5 torn, 6 unreadable, 70 internal",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    where = "checkpoint directory, or a root (uses the checkpoint `latest` names)"
+    _command(sub, cmd_ls, "ROOT", "checkpoint root (holds step_NNNNNNNN/ and latest)", "list the checkpoints of a root",
+             "Table of the step directories in ROOT: step, committed or torn, size, files, age, which one `latest` names.")
+    _command(sub, cmd_inspect, "PATH", where, "list every tensor and object in a checkpoint",
+             "Every tensor and object of a committed checkpoint: dtype, shape, size, stored bytes, file.")
+    verify = _command(sub, cmd_verify, "PATH", where, "re-read every item and check its checksum",
+                      f"Re-read every item of a committed checkpoint and check its CRC32 from {CHECKSUMS_FILE}; exit 1 on damage.")
+    verify.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    sub.add_parser("bench", add_help=False, help="run benchmarks/bench_save.py, every argument passed through (see bench --help)")
+    return parser
+
+
+def _command(sub, func, arg: str, arg_help: str, summary: str, description: str) -> argparse.ArgumentParser:
+    parser = sub.add_parser(func.__name__[4:], help=summary, description=description)
+    parser.add_argument(arg.lower(), metavar=arg, help=arg_help)
+    parser.set_defaults(func=func)
+    return parser
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:
+        return cmd_bench(argv[1:])
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except CliError as exc:
+        print(f"asyncckpt {args.command}: error: {exc}", file=sys.stderr)
+        return exc.code
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:  # `asyncckpt inspect ... | head`
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    except Exception:  # a bug, not a verdict on the checkpoint: keep it apart from exit code 1
+        traceback.print_exc()
+        return EXIT_INTERNAL

@@ -1,0 +1,207 @@
+"""The command line: `python -m asyncckpt ls|inspect|verify|bench` run for real in a subprocess
+on checkpoints the library wrote; damage, torn saves and wrong paths give distinct exit codes."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from asyncckpt import AsyncCheckpointer, cli
+from conftest import clone_state, make_model_and_optimizer, make_state, train_step
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "asyncckpt", *args], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+
+
+def step_path(root: str, step: int) -> str:
+    return os.path.join(root, f"step_{step:08d}")
+
+
+def flat_keys(obj, prefix: str = "") -> set[str]:
+    """The keys DCP stores: dicts are walked; lists only when they hold tensors or dicts."""
+    if isinstance(obj, dict):
+        return set().union(*(flat_keys(v, f"{prefix}{k}.") for k, v in obj.items()))
+    if isinstance(obj, list) and any(isinstance(v, (dict, list, torch.Tensor)) for v in obj):
+        return set().union(*(flat_keys(v, f"{prefix}{i}.") for i, v in enumerate(obj)))
+    return {prefix[:-1]}
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A root with committed steps 1 and 2 (latest) and a torn step 3 (data files, no .metadata)."""
+    root = str(tmp_path_factory.mktemp("cli") / "ckpt")
+    model, optimizer = make_model_and_optimizer()
+    state = make_state(model, optimizer, step=1)
+    state["extra"] = {"big": torch.arange(50_000, dtype=torch.float64), "ints": torch.arange(7, dtype=torch.int16)}
+    with AsyncCheckpointer(root) as ckpt:
+        ckpt.schedule_save(state, step=1)
+        train_step(model, optimizer)
+        ckpt.schedule_save(state, step=2)
+        ckpt.finalize(blocking=True)
+    os.makedirs(step_path(root, 3))
+    for name in os.listdir(step_path(root, 2)):
+        if name.endswith(".distcp"):
+            shutil.copy(os.path.join(step_path(root, 2), name), step_path(root, 3))
+    return root, clone_state(state)
+
+
+def copy_of_step_2(saved, tmp_path) -> str:
+    target = str(tmp_path / "step_00000002")
+    shutil.copytree(step_path(saved[0], 2), target)
+    return target
+
+
+def test_ls_marks_the_torn_checkpoint_and_the_latest(saved):
+    root, _ = saved
+    result = run_cli("ls", root)
+    assert result.returncode == 0, result.stderr
+    rows = {name: [line for line in result.stdout.splitlines() if name in line] for name in
+            ("step_00000001", "step_00000002", "step_00000003")}
+    assert all(len(lines) == 1 for lines in rows.values()), result.stdout
+    rows = {name: lines[0] for name, lines in rows.items()}
+    assert "committed" in rows["step_00000001"] and "latest" not in rows["step_00000001"]
+    assert "committed" in rows["step_00000002"] and "<- latest" in rows["step_00000002"]
+    assert "torn" in rows["step_00000003"] and "committed" not in rows["step_00000003"]
+    assert "latest" not in rows["step_00000003"]
+    assert "3 checkpoints (2 committed, 1 torn)" in result.stdout
+
+
+def test_inspect_lists_every_key_with_dtype_and_shape(saved):
+    root, state = saved
+    result = run_cli("inspect", step_path(root, 2))
+    assert result.returncode == 0, result.stderr
+    rows = {line.split()[0]: line.split() for line in result.stdout.splitlines()[2:] if line.strip()}
+    expected = flat_keys(state)
+    assert "model.0.weight" in expected and "meta.milestones" in expected
+    assert expected <= set(rows), f"missing from inspect: {expected - set(rows)}"
+    assert rows["model.0.weight"][1:4] == ["tensor", "float32", "64x32"]
+    assert rows["extra.ints"][1:4] == ["tensor", "int16", "7"]
+    assert rows["meta.name"][1] == "object"
+    assert all(row[-1].endswith(".distcp") for key, row in rows.items() if key in expected)
+
+
+def test_inspect_of_a_root_uses_the_latest_checkpoint(saved):
+    root, state = saved
+    result = run_cli("inspect", root)
+    assert result.returncode == 0, result.stderr
+    assert "step_00000002 (latest)" in result.stderr
+    assert "extra.big" in result.stdout
+
+
+def test_verify_passes_an_intact_checkpoint_with_a_progress_bar(saved):
+    result = run_cli("verify", step_path(saved[0], 2))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "OK" in result.stdout and "DAMAGED" not in result.stdout
+    assert "100%" in result.stderr
+
+
+def test_verify_names_file_and_tensor_of_a_flipped_byte(saved, tmp_path):
+    step_dir = copy_of_step_2(saved, tmp_path)
+    with open(os.path.join(step_dir, ".checksums.json")) as f:
+        [entry] = [e for e in json.load(f)["items"] if e["fqn"] == "extra.big"]
+    data_file = os.path.join(step_dir, entry["file"])
+    with open(data_file, "rb") as f:
+        item = f.read()[entry["start"] : entry["start"] + entry["length"]]
+    raw = saved[1]["extra"]["big"].numpy().tobytes()
+    position = entry["start"] + item.index(raw) + len(raw) // 2  # inside the tensor's own bytes
+    with open(data_file, "r+b") as f:
+        f.seek(position)
+        byte = f.read(1)
+        f.seek(position)
+        f.write(bytes([byte[0] ^ 0x01]))
+
+    result = run_cli("verify", step_dir)
+    assert result.returncode == cli.EXIT_DAMAGED, result.stdout + result.stderr
+    damaged = [line for line in result.stdout.splitlines() if line.startswith("DAMAGED")]
+    assert len(damaged) == 1, result.stdout + result.stderr
+    assert entry["file"] in damaged[0] and "extra.big" in damaged[0] and "checksum mismatch" in damaged[0]
+
+
+def test_verify_reports_a_truncated_data_file(saved, tmp_path):
+    step_dir = copy_of_step_2(saved, tmp_path)
+    data_file = os.path.join(step_dir, "__0_0.distcp")
+    os.truncate(data_file, os.path.getsize(data_file) // 2)
+    result = run_cli("verify", step_dir)
+    assert result.returncode == cli.EXIT_DAMAGED, result.stdout + result.stderr
+    assert "__0_0.distcp" in result.stdout and "truncated" in result.stdout
+
+
+def run_in_process(capsys, *args: str) -> subprocess.CompletedProcess:
+    """The same command through cli.main in this process (cheaper than a fresh interpreter)."""
+    code = cli.main(list(args))
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(args, code, out, err)
+
+
+def test_torn_checkpoint_is_refused_with_its_own_exit_code(saved, capsys):
+    torn = step_path(saved[0], 3)
+    for result in (run_cli("inspect", torn), run_in_process(capsys, "verify", torn)):
+        assert result.returncode == cli.EXIT_TORN
+        assert "torn" in result.stderr and "step_00000003" in result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1 and result.stdout == ""
+
+
+def test_missing_path_is_one_line_and_exit_code(tmp_path, capsys):
+    missing = str(tmp_path / "nowhere")
+    for command in ("ls", "inspect", "verify"):
+        result = run_cli(command, missing) if command == "ls" else run_in_process(capsys, command, missing)
+        assert result.returncode == cli.EXIT_MISSING
+        assert result.stderr.strip() == f"asyncckpt {command}: error: {missing}: no such directory"
+
+
+def test_non_checkpoint_directory_is_refused(tmp_path, capsys):
+    (tmp_path / "notes.txt").write_text("not a checkpoint")
+    for command in ("ls", "inspect", "verify"):
+        result = run_cli(command, str(tmp_path)) if command == "verify" else run_in_process(capsys, command, str(tmp_path))
+        assert result.returncode == cli.EXIT_NOT_CHECKPOINT
+        assert "not a checkpoint" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    result = run_in_process(capsys, "inspect", str(tmp_path / "notes.txt"))
+    assert result.returncode == cli.EXIT_NOT_CHECKPOINT and "is a file" in result.stderr
+
+
+def test_ls_of_a_checkpoint_directory_points_to_inspect(saved, capsys):
+    result = run_in_process(capsys, "ls", step_path(saved[0], 2))
+    assert result.returncode == cli.EXIT_NOT_CHECKPOINT
+    assert "not a root" in result.stderr and "inspect" in result.stderr
+
+
+def test_help_texts(capsys):
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["--help"])
+    assert exited.value.code == 0
+    out = capsys.readouterr().out
+    assert all(command in out for command in ("ls", "inspect", "verify", "bench", "exit codes"))
+    for command in ("ls", "inspect", "verify"):
+        with pytest.raises(SystemExit) as exited:
+            cli.main([command, "--help"])
+        assert exited.value.code == 0 and f"usage: asyncckpt {command}" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["frobnicate"])
+    assert exited.value.code == cli.EXIT_USAGE
+
+
+def test_bench_passes_every_argument_through_and_returns_its_exit_code(tmp_path, monkeypatch):
+    script = tmp_path / "bench_save.py"
+    script.write_text(
+        "import json, sys\n"
+        f"json.dump(sys.argv[1:], open({str(tmp_path / 'argv.json')!r}, 'w'))\n"
+        "sys.exit(7)\n"
+    )
+    monkeypatch.setattr(cli, "BENCH_SCRIPT", script)
+    args = ["--help", "--size-gib", "0.1", "--plot=out.png", "-x", "--"]
+    assert cli.main(["bench", *args]) == 7
+    assert json.loads((tmp_path / "argv.json").read_text()) == args
+
+    monkeypatch.setattr(cli, "BENCH_SCRIPT", tmp_path / "missing.py")
+    assert cli.main(["bench"]) == cli.EXIT_MISSING
