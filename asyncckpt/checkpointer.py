@@ -151,7 +151,7 @@ class AsyncCheckpointer:
             request = self._request_for(snapshot, step, step_dir)
             if snapshot.has_cuda:
                 torch.cuda.current_stream().synchronize()  # the worker must see finished values
-            self._client.send(request)
+            self._client.send(request, self.config.timeout_s)
             flight.save_id, flight.tensors_sent = request.save_id, len(request.fresh_tensors)
             self._holds = _WorkerHolds(snapshot.structure_key, snapshot.fingerprints, snapshot.tensors)
         except CheckpointError as exc:

@@ -21,6 +21,7 @@ from .protocol import SaveRequest, Shutdown, WorkerSettings
 log = logging.getLogger(__name__)
 
 POLL_SLICE_S = 0.05
+SHUTDOWN_SEND_S = 2.0  # a Shutdown message is tiny; a worker that does not take it gets killed
 _spawn_lock = threading.Lock()
 
 
@@ -51,7 +52,10 @@ class WorkerClient:
         return self._process.pid if self._process is not None else None
 
     def is_alive(self) -> bool:
-        return self._process is not None and self._process.is_alive()
+        """False once the worker is dead or dying. A SIGKILLed process stays unreapable for a
+        moment while its threads and memory are torn down; its main thread already shows as a
+        zombie then, and a request sent in that window would be lost."""
+        return self._process is not None and self._process.is_alive() and not _exiting(self._process.pid)
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Ask the worker to exit; kill it if it does not within `timeout_s`."""
@@ -61,8 +65,8 @@ class WorkerClient:
             return
         if process.is_alive():
             try:
-                conn.send(Shutdown())
-            except (OSError, EOFError):
+                _send_bounded(conn, process, Shutdown(), min(timeout_s, SHUTDOWN_SEND_S))
+            except (OSError, EOFError, TimeoutError):
                 pass
             process.join(timeout_s)
         if process.is_alive():
@@ -79,11 +83,25 @@ class WorkerClient:
         self.stop(timeout_s=5)
 
     # messages ------------------------------------------------------------------------------
-    def send(self, request: SaveRequest) -> None:
+    def send(self, request: SaveRequest, timeout_s: float = 600.0) -> None:
+        """Hand `request` to the worker, waiting at most `timeout_s` for it to be taken in.
+
+        A request bigger than the socket buffer blocks until the worker reads it, and a plain
+        send would block forever on a worker that stopped reading. Past the timeout the worker
+        is killed (a half-sent message leaves the stream unusable) and the next save starts a
+        fresh one."""
         if not self.is_alive():
             raise self._died("before the request could be sent")
         try:
-            self._conn.send(request)
+            _send_bounded(self._conn, self._process, request, timeout_s)
+        except TimeoutError:
+            pid = self.pid
+            self._process.kill()
+            self._process.join(5)
+            raise CheckpointTimeoutError(
+                f"rank {self.settings.rank}: worker pid {pid} did not take the save request within "
+                f"{timeout_s:.1f}s; killed it"
+            ) from None
         except (OSError, EOFError) as exc:
             raise self._died(f"while sending the request ({exc})") from exc
 
@@ -130,6 +148,45 @@ class WorkerClient:
         reason = f"exit code {code}" if code is None or code >= 0 else f"killed by signal {-code}"
         pid = process.pid if process is not None else None
         return WorkerDiedError(f"rank {self.settings.rank}: checkpoint worker pid {pid} died ({reason}) {when}".rstrip())
+
+
+def _exiting(pid: int) -> bool:
+    """The process's main thread has exited (state Z or X in /proc); False where unknown."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    return stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] in (b"Z", b"X")
+
+
+def _send_bounded(conn, process, message, timeout_s: float) -> None:
+    """`conn.send(message)` on a helper thread, waited for at most `timeout_s` and only while
+    `process` lives. Raises TimeoutError past the timeout, BrokenPipeError if the worker died
+    first, or whatever the send itself raised. A send still blocked is left to fail on its own
+    once the worker is gone (its end of the socket closes)."""
+    failure: list[BaseException] = []
+
+    def deliver() -> None:
+        try:
+            conn.send(message)
+        except BaseException as exc:  # handed to the caller below
+            failure.append(exc)
+
+    sender = threading.Thread(target=deliver, name="asyncckpt-send", daemon=True)
+    sender.start()
+    deadline = time.monotonic() + timeout_s
+    sender.join(min(timeout_s, POLL_SLICE_S))
+    while sender.is_alive() and process.is_alive() and time.monotonic() < deadline:
+        sender.join(POLL_SLICE_S)
+    if sender.is_alive():
+        if process.is_alive():
+            raise TimeoutError(f"send not taken within {timeout_s:.1f}s")
+        sender.join(1)  # the reader is gone: the blocked send fails with EPIPE
+        if sender.is_alive() or not failure:
+            raise BrokenPipeError("worker exited while the message was being sent")
+    if failure:
+        raise failure[0]
 
 
 class _main_module_hidden:

@@ -9,6 +9,7 @@ tells when the user reallocated a tensor, so the worker never reads an old handl
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -19,6 +20,10 @@ from .planning import PlannedSave, is_tensor_item
 from .protocol import BYTES, TENSOR, ItemSpec
 
 Fingerprint = tuple
+
+SHM_DIR = "/dev/shm"  # where torch puts shared CPU storages (shm_open), a tmpfs on Linux
+SHM_HEADROOM_BYTES = 1 << 20  # left free for tmpfs bookkeeping and other users
+_PAGE = 4096
 
 
 @dataclass
@@ -36,18 +41,24 @@ class Snapshot:
 def take_snapshot(planned: PlannedSave) -> Snapshot:
     items, tensors, fingerprints, objects = [], [], [], {}
     always_fresh, tensor_bytes, has_cuda = set(), 0, False
+    resolved: dict[int, tuple[torch.Tensor, bool]] = {}
+    for pos, item in enumerate(planned.plan.items):  # resolve and check everything before moving anything
+        if is_tensor_item(item):
+            fqn = item.index.fqn
+            tensor, fresh = _reachable_tensor(planned.planner.resolve_data(item), fqn)
+            expected = tuple(item.tensor_data.chunk.sizes)
+            if tuple(tensor.shape) != expected:
+                raise CheckpointError(f"state entry {fqn!r}: resolved shape {tuple(tensor.shape)} != planned {expected}")
+            resolved[pos] = (tensor, fresh)
+    check_shm_space(shm_bytes_needed(resolved.values()))  # a full /dev/shm is a SIGBUS, not an error
     for pos, item in enumerate(planned.plan.items):
-        fqn = item.index.fqn
         if not is_tensor_item(item):
             objects[pos] = _pickled_object(planned, item)
             items.append(ItemSpec(item.index, BYTES))
             tensors.append(None)
             fingerprints.append(None)
             continue
-        tensor, fresh = _shareable_tensor(planned.planner.resolve_data(item), fqn)
-        expected = tuple(item.tensor_data.chunk.sizes)
-        if tuple(tensor.shape) != expected:
-            raise CheckpointError(f"state entry {fqn!r}: resolved shape {tuple(tensor.shape)} != planned {expected}")
+        tensor, fresh = _shareable_tensor(*resolved.pop(pos))
         if fresh:
             always_fresh.add(pos)
         has_cuda = has_cuda or tensor.is_cuda
@@ -76,8 +87,8 @@ def _pickled_object(planned: PlannedSave, item) -> bytes:
         ) from exc
 
 
-def _shareable_tensor(tensor, fqn: str) -> tuple[torch.Tensor, bool]:
-    """Return (tensor the worker can reach, whether it is a fresh copy made for this save)."""
+def _reachable_tensor(tensor, fqn: str) -> tuple[torch.Tensor, bool]:
+    """Check a resolved tensor; return (plain detached tensor, whether it is a fresh copy)."""
     if not isinstance(tensor, torch.Tensor):
         raise CheckpointError(f"state entry {fqn!r}: planner resolved {type(tensor).__name__}, not a tensor")
     fresh = False
@@ -90,9 +101,65 @@ def _shareable_tensor(tensor, fqn: str) -> tuple[torch.Tensor, bool]:
         return tensor, fresh
     if tensor.device.type != "cpu":
         raise CheckpointError(f"state entry {fqn!r}: device {tensor.device} is not supported (cpu or cuda)")
-    if tensor.is_shared():
+    return tensor, fresh
+
+
+def _moves_in_place(tensor: torch.Tensor, fresh: bool) -> bool:
+    return not fresh and tensor.untyped_storage().resizable()
+
+
+def shm_bytes_needed(resolved) -> int:
+    """Bytes of /dev/shm that sharing these (tensor, fresh) pairs will take: a whole storage for
+    each one moved in place (counted once however many views it has), a compact copy otherwise."""
+    needed, seen = 0, set()
+    for tensor, fresh in resolved:
+        if tensor.is_cuda or tensor.is_shared():
+            continue
+        if _moves_in_place(tensor, fresh):
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() in seen:
+                continue
+            seen.add(storage.data_ptr())
+            nbytes = storage.nbytes()
+        else:
+            nbytes = tensor.numel() * tensor.element_size()
+        needed += -(-nbytes // _PAGE) * _PAGE
+    return needed
+
+
+def shm_free_bytes(path: str = SHM_DIR) -> Optional[int]:
+    """Free bytes in the shared-memory filesystem, or None where there is none to ask."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def check_shm_space(needed: int, free: Optional[int] = None, path: str = SHM_DIR) -> None:
+    """Raise CheckpointError when `needed` bytes will not fit in `path` (free bytes from statvfs
+    unless given). Writing past a full tmpfs kills the process with SIGBUS, so fail first."""
+    if needed <= 0:
+        return
+    if free is None:
+        free = shm_free_bytes(path)
+    if free is None or needed + SHM_HEADROOM_BYTES <= free:
+        return
+    raise CheckpointError(
+        f"not enough shared memory to hand the state to the checkpoint worker: {needed} bytes "
+        f"({needed / 2**20:.1f} MiB) must move into {path}, which has {free} bytes ({free / 2**20:.1f} MiB) free "
+        f"(and {SHM_HEADROOM_BYTES >> 20} MiB is kept spare). Going on would risk SIGBUS. Enlarge {path} "
+        f"(docker/podman: --shm-size; Kubernetes: an emptyDir with medium: Memory mounted at /dev/shm; "
+        f"or remount the tmpfs with a larger size=), or save fewer bytes per process (shard the state "
+        f"over more ranks). Nothing was written."
+    )
+
+
+def _shareable_tensor(tensor: torch.Tensor, fresh: bool) -> tuple[torch.Tensor, bool]:
+    """Return (tensor the worker can reach, whether it is a fresh copy made for this save)."""
+    if tensor.is_cuda or tensor.is_shared():
         return tensor, fresh
-    if not fresh and tensor.untyped_storage().resizable():
+    if _moves_in_place(tensor, fresh):
         try:
             tensor.share_memory_()
             return tensor, False

@@ -1,0 +1,491 @@
+"""Reliability: a killed or stuck worker, a killed trainer, a full disk and a full /dev/shm each
+end as a CheckpointError within the timeout (never a hang), committed checkpoints survive, and
+the next save recovers. Everything here is real: worker processes, SIGKILL/SIGSTOP, files."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from dataclasses import replace
+
+import psutil
+import pytest
+import torch
+
+from asyncckpt import AsyncCheckpointer, CheckpointConfig, CheckpointError, CheckpointTimeoutError, load
+from asyncckpt import snapshot as snapshot_module
+from asyncckpt.loading import read_latest_marker
+from asyncckpt.snapshot import SHM_DIR, check_shm_space, shm_bytes_needed
+from conftest import assert_state_equal, clone_state, zeros_like_state
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MiB = 1 << 20
+
+
+def step_path(root: str, step: int) -> str:
+    return os.path.join(root, f"step_{step:08d}")
+
+
+def config(**overrides) -> CheckpointConfig:
+    """Full priority (the machine is shared; a niced worker makes timings noisy)."""
+    return CheckpointConfig(**{"worker_nice": None, "worker_ionice": None, **overrides})
+
+
+def retime(ckpt: AsyncCheckpointer, timeout_s: float) -> None:
+    """Change timeout_s of a live checkpointer. Tests save once with a generous timeout first:
+    timeout_s also bounds the first save's wait for a fresh worker's start-up (a torch import,
+    several seconds on a loaded machine)."""
+    ckpt.config = replace(ckpt.config, timeout_s=timeout_s)
+
+
+def big_state(mib: int, tensors: int = 8, seed: float = 0.0) -> dict:
+    each = mib * MiB // 4 // tensors
+    return {
+        "weights": {f"t{i}": torch.arange(each, dtype=torch.float32) * 1e-3 + (seed + i) for i in range(tensors)},
+        "meta": {"seed": seed},
+    }
+
+
+def bump(state: dict, by: float) -> None:
+    with torch.no_grad():
+        for tensor in state["weights"].values():
+            tensor.add_(by)
+    state["meta"]["seed"] += by
+
+
+def assert_loads(root: str, step: int, expected: dict) -> None:
+    target = zeros_like_state(expected)
+    load(target, step_path(root, step))
+    assert_state_equal(target, expected)
+
+
+def wait_gone(pid: int, timeout_s: float) -> float:
+    """Seconds until `pid` is gone (a zombie counts as gone); fails past `timeout_s`."""
+    started = time.monotonic()
+    while time.monotonic() - started < timeout_s:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return time.monotonic() - started
+        except psutil.NoSuchProcess:
+            return time.monotonic() - started
+        time.sleep(0.05)
+    raise AssertionError(f"process {pid} still running {timeout_s}s after it should have gone")
+
+
+def committed_steps(root: str) -> list[int]:
+    return sorted(
+        int(name[5:]) for name in os.listdir(root) if os.path.exists(os.path.join(root, name, ".metadata"))
+    )
+
+
+# 1. worker killed while it writes -------------------------------------------------------------
+@pytest.mark.parametrize("io", ["thread", "process"])
+def test_worker_killed_while_writing_fails_finalize_within_timeout_and_next_save_recovers(ckpt_root, io):
+    timeout_s = 5.0
+    state = big_state(64)
+    with AsyncCheckpointer(ckpt_root, config(io=io, io_workers=1)) as ckpt:
+        ckpt.schedule_save(state, step=1)
+        ckpt.finalize(blocking=True)
+        retime(ckpt, timeout_s)
+        expected_1 = clone_state(state)
+        bump(state, 1.0)
+
+        ckpt.schedule_save(state, step=2)  # eager: returns once staged, the worker now writes
+        old_pid = ckpt.worker_pid
+        writers = psutil.Process(old_pid).children()
+        os.kill(old_pid, signal.SIGKILL)
+        started = time.monotonic()
+        with pytest.raises(CheckpointError, match=r"step 2 not committed.*died \(killed by signal 9\)"):
+            ckpt.finalize(blocking=True)
+        elapsed = time.monotonic() - started
+        print(f"\n[{io}] finalize raised {elapsed:.3f}s after the kill (timeout_s={timeout_s})")
+        assert elapsed < timeout_s
+        for child in writers:
+            wait_gone(child.pid, 10)
+
+        assert read_latest_marker(ckpt_root) == "step_00000001"
+        assert committed_steps(ckpt_root) == [1]
+        assert not os.path.exists(step_path(ckpt_root, 2))  # the torn save was removed
+        assert_loads(ckpt_root, 1, expected_1)
+
+        expected_3 = clone_state(state)
+        retime(ckpt, 120.0)  # the next save waits for a fresh worker's start-up
+        ckpt.schedule_save(state, step=3)
+        [report] = ckpt.finalize(blocking=True)
+        assert report.worker_pid not in (None, old_pid) and report.step == 3
+        assert read_latest_marker(ckpt_root) == "step_00000003"
+        assert_loads(ckpt_root, 3, expected_3)
+        assert_loads(ckpt_root, 1, expected_1)
+
+
+# 2. worker killed or stuck while the trainer waits for Staged ---------------------------------
+def test_worker_killed_mid_staging_fails_schedule_save_within_timeout(ckpt_root):
+    """The kill lands while the worker copies a 256 MiB snapshot (seen as its RSS growing)."""
+    timeout_s = 20.0
+    state = big_state(256, tensors=4)
+    with AsyncCheckpointer(ckpt_root, config(timeout_s=timeout_s)) as ckpt:
+        ckpt.schedule_save({"warm": torch.ones(4)}, step=0)  # a started worker, a tiny staging pool
+        ckpt.finalize(blocking=True)
+        worker = psutil.Process(ckpt.worker_pid)
+        baseline = worker.memory_info().rss
+        killed_at = []
+
+        def kill_when_staging() -> None:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                if worker.memory_info().rss > baseline + 24 * MiB:
+                    os.kill(worker.pid, signal.SIGKILL)
+                    killed_at.append(time.monotonic())
+                    return
+                time.sleep(0.001)
+
+        watcher = threading.Thread(target=kill_when_staging, daemon=True)
+        watcher.start()
+        with pytest.raises(CheckpointError, match=r"staging failed.*died \(killed by signal 9\)"):
+            ckpt.schedule_save(state, step=1)
+        raised_at = time.monotonic()
+        watcher.join(5)
+        assert killed_at, "the worker was never seen staging"
+        print(f"\nschedule_save raised {raised_at - killed_at[0]:.3f}s after the kill mid-staging")
+        assert raised_at - killed_at[0] < timeout_s
+        assert not os.path.exists(step_path(ckpt_root, 1))
+
+        retime(ckpt, 120.0)
+        ckpt.schedule_save(state, step=2)
+        [report] = ckpt.finalize(blocking=True)
+        assert report.worker_pid != worker.pid
+        assert_loads(ckpt_root, 2, clone_state(state))
+
+
+def test_stopped_worker_killed_while_trainer_waits_for_staged(ckpt_root):
+    """Deterministic variant: the worker is frozen (SIGSTOP) so the trainer surely waits for
+    Staged, then SIGKILLed half a second later; schedule_save raises right after the kill."""
+    state = big_state(8)
+    with AsyncCheckpointer(ckpt_root, config(timeout_s=30.0)) as ckpt:
+        ckpt.schedule_save(state, step=1)
+        ckpt.finalize(blocking=True)
+        expected_1 = clone_state(state)
+        bump(state, 1.0)
+        pid = ckpt.worker_pid
+        os.kill(pid, signal.SIGSTOP)
+        killer = threading.Timer(0.5, os.kill, (pid, signal.SIGKILL))
+        killer.start()
+        started = time.monotonic()
+        with pytest.raises(CheckpointError, match=r"died \(killed by signal 9\)"):
+            ckpt.schedule_save(state, step=2)
+        elapsed = time.monotonic() - started
+        print(f"\nschedule_save raised {elapsed:.3f}s after it started (kill at 0.5s, timeout 30s)")
+        assert 0.4 < elapsed < 5
+        assert read_latest_marker(ckpt_root) == "step_00000001"
+        assert_loads(ckpt_root, 1, expected_1)
+        retime(ckpt, 120.0)
+        ckpt.schedule_save(state, step=3)
+        [report] = ckpt.finalize(blocking=True)
+        assert report.worker_pid != pid and report.tensors_sent > 0  # the new worker got everything again
+        assert_loads(ckpt_root, 3, clone_state(state))
+
+
+def test_stuck_worker_times_out_is_killed_and_replaced(ckpt_root):
+    """A worker that stops answering (SIGSTOP, never resumed) costs timeout_s, not forever."""
+    timeout_s = 2.0
+    state = big_state(8)
+    with AsyncCheckpointer(ckpt_root, config()) as ckpt:
+        ckpt.schedule_save(state, step=1)
+        ckpt.finalize(blocking=True)
+        retime(ckpt, timeout_s)
+        pid = ckpt.worker_pid
+        os.kill(pid, signal.SIGSTOP)
+        started = time.monotonic()
+        with pytest.raises(CheckpointError, match=r"no Staged/SaveFailed from worker pid \d+ within 2.0s"):
+            ckpt.schedule_save(state, step=2)
+        elapsed = time.monotonic() - started
+        print(f"\nschedule_save timed out after {elapsed:.3f}s (timeout_s={timeout_s})")
+        assert timeout_s <= elapsed < timeout_s + 5
+        wait_gone(pid, 10)  # the trainer killed the stuck worker
+        retime(ckpt, 120.0)
+        ckpt.schedule_save(state, step=3)
+        assert [r.step for r in ckpt.finalize(blocking=True)] == [3]
+        assert ckpt.worker_pid != pid
+        assert committed_steps(ckpt_root) == [1, 3]
+
+
+@pytest.mark.timeout(90)
+def test_request_larger_than_the_socket_buffer_to_a_stuck_worker_times_out(ckpt_root):
+    """A first save of many tensors makes a request far bigger than the socket buffer: a plain
+    `Connection.send` to a worker that does not read blocks forever. Ours is bounded."""
+    timeout_s = 3.0
+    state = {"many": {f"p{i}": torch.full((4,), float(i)) for i in range(4000)}}
+    with AsyncCheckpointer(ckpt_root, config(timeout_s=timeout_s)) as ckpt:
+        pid = ckpt.worker_pid
+        os.kill(pid, signal.SIGSTOP)
+        started = time.monotonic()
+        with pytest.raises(CheckpointTimeoutError, match="did not take the save request"):
+            ckpt.schedule_save(state, step=1)
+        elapsed = time.monotonic() - started
+        print(f"\nblocked send gave up after {elapsed:.3f}s (timeout_s={timeout_s})")
+        assert elapsed < timeout_s + 10  # planning 4000 items takes a moment on a busy machine
+        wait_gone(pid, 10)
+        retime(ckpt, 120.0)
+        ckpt.schedule_save(state, step=2)
+        assert [r.step for r in ckpt.finalize(blocking=True)] == [2]
+        assert_loads(ckpt_root, 2, clone_state(state))
+
+
+def test_worker_killed_while_idle_is_replaced_by_the_next_save(ckpt_root):
+    state = big_state(4)
+    with AsyncCheckpointer(ckpt_root, config()) as ckpt:
+        ckpt.schedule_save(state, step=1)
+        ckpt.finalize(blocking=True)
+        pid = ckpt.worker_pid
+        os.kill(pid, signal.SIGKILL)
+        wait_gone(pid, 10)
+        assert ckpt.finalize(blocking=True) == []  # nothing in flight: nothing to report
+        bump(state, 1.0)
+        ckpt.schedule_save(state, step=2)
+        [report] = ckpt.finalize(blocking=True)
+        assert report.worker_pid != pid and not report.cache_hit
+        assert_loads(ckpt_root, 2, clone_state(state))
+
+
+# 4. full disk ---------------------------------------------------------------------------------
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A real 16 MiB filesystem (tmpfs), where this container allows mounting one."""
+    mount_point = tmp_path / "small_fs"
+    mount_point.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mount_point)], capture_output=True, text=True
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here ({done.stderr.strip()}); the RLIMIT_FSIZE test covers it")
+    try:
+        yield str(mount_point)
+    finally:
+        subprocess.run(["umount", "-l", str(mount_point)], check=False)
+
+
+def test_full_disk_mid_save_names_the_file_keeps_the_previous_checkpoint_and_recovers(small_tmpfs):
+    root = os.path.join(small_tmpfs, "ckpt")
+    state = big_state(4, tensors=4)
+    filler = os.path.join(small_tmpfs, "filler")
+    with AsyncCheckpointer(root, config(io_workers=2, timeout_s=30.0)) as ckpt:
+        ckpt.schedule_save(state, step=1)
+        ckpt.finalize(blocking=True)
+        expected_1 = clone_state(state)
+        bump(state, 1.0)
+
+        st = os.statvfs(small_tmpfs)
+        with open(filler, "wb") as f:  # leave 1 MiB: the 4 MiB save runs out mid-write
+            f.write(b"\0" * (st.f_bavail * st.f_frsize - MiB))
+        with pytest.raises(CheckpointError) as raised:
+            ckpt.schedule_save(state, step=2)
+            ckpt.finalize(blocking=True)
+        message = str(raised.value)
+        print(f"\nfull disk: {message}")
+        assert "ENOSPC" in message and step_path(root, 2) in message and ".distcp" in message
+        assert read_latest_marker(root) == "step_00000001"
+        assert committed_steps(root) == [1]
+        assert not os.path.exists(step_path(root, 2))  # the partial files went with the save
+        assert_loads(root, 1, expected_1)
+
+        os.remove(filler)  # space is back
+        expected_3 = clone_state(state)
+        ckpt.schedule_save(state, step=3)
+        assert [r.step for r in ckpt.finalize(blocking=True)] == [3]
+        assert read_latest_marker(root) == "step_00000003"
+        assert_loads(root, 3, expected_3)
+        assert_loads(root, 1, expected_1)
+
+
+@pytest.mark.parametrize("io", ["thread", "process"])
+def test_file_size_limit_in_the_worker_gives_efbig_and_recovers(ckpt_root, io):
+    """Unprivileged stand-in for a full disk: RLIMIT_FSIZE lowered on the live worker (prlimit).
+    Python ignores SIGXFSZ, so an oversized write fails with EFBIG like a real write error."""
+    state = big_state(4, tensors=4)
+    with AsyncCheckpointer(ckpt_root, config(io=io, io_workers=1, timeout_s=30.0)) as ckpt:
+        ckpt.schedule_save(state, step=1)
+        ckpt.finalize(blocking=True)
+        expected_1 = clone_state(state)
+        bump(state, 1.0)
+        worker = psutil.Process(ckpt.worker_pid)
+        limits = worker.rlimit(psutil.RLIMIT_FSIZE)
+        worker.rlimit(psutil.RLIMIT_FSIZE, (MiB, limits[1]))
+        try:
+            with pytest.raises(CheckpointError) as raised:
+                ckpt.schedule_save(state, step=2)
+                ckpt.finalize(blocking=True)
+        finally:
+            worker.rlimit(psutil.RLIMIT_FSIZE, limits)
+        message = str(raised.value)
+        print(f"\n[{io}] file size limit: {message}")
+        assert "EFBIG" in message and os.path.join(step_path(ckpt_root, 2), "__0_0.distcp") in message
+        assert read_latest_marker(ckpt_root) == "step_00000001"
+        assert committed_steps(ckpt_root) == [1]
+        assert_loads(ckpt_root, 1, expected_1)
+
+        expected_3 = clone_state(state)
+        ckpt.schedule_save(state, step=3)
+        [report] = ckpt.finalize(blocking=True)
+        assert report.worker_pid == worker.pid  # a write error is not a worker death
+        assert_loads(ckpt_root, 3, expected_3)
+
+
+# 5. trainer killed ----------------------------------------------------------------------------
+TRAINER = textwrap.dedent(
+    """
+    import sys, time, torch
+    from asyncckpt import AsyncCheckpointer, CheckpointConfig
+    mode, io, root = sys.argv[1:4]
+    ckpt = AsyncCheckpointer(root, CheckpointConfig(io=io, io_workers=4, keep_last=2))
+    state = {f"t{i}": torch.full((4 << 20,), float(i)) for i in range(4)}  # 64 MiB
+    ckpt.schedule_save(state, step=0)
+    ckpt.finalize(blocking=True)
+    print("ready", ckpt.worker_pid, flush=True)
+    step = 1
+    while mode == "saving":
+        ckpt.schedule_save(state, step=step)
+        step += 1
+    time.sleep(300)
+    """
+)
+
+
+@pytest.mark.parametrize("mode,io", [("idle", "thread"), ("saving", "thread"), ("saving", "process")])
+def test_trainer_killed_takes_its_worker_and_writers_with_it(tmp_path, mode, io):
+    script = tmp_path / "trainer.py"
+    script.write_text(TRAINER)
+    trainer = subprocess.Popen(
+        [sys.executable, str(script), mode, io, str(tmp_path / "ckpt")], stdout=subprocess.PIPE, text=True, cwd=REPO
+    )
+    try:
+        line = trainer.stdout.readline().split()
+        assert line[:1] == ["ready"], line
+        worker = psutil.Process(int(line[1]))
+        writers: list[psutil.Process] = []
+        deadline = time.monotonic() + 30
+        if mode == "saving":
+            time.sleep(0.3)
+        while io == "process" and not writers and time.monotonic() < deadline:
+            writers = worker.children()  # forked writer children exist only while a save writes
+            time.sleep(0.005)
+        if io == "process":
+            assert writers, "never saw a writer child"
+        trainer.kill()
+        trainer.wait(10)
+        gone = {"worker": wait_gone(worker.pid, 10)}
+        for child in writers:
+            gone[f"writer {child.pid}"] = wait_gone(child.pid, 10)
+        print(f"\n[{mode}/{io}] gone after trainer SIGKILL: " + ", ".join(f"{k} {v:.2f}s" for k, v in gone.items()))
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+            trainer.wait()
+
+
+# 7. shared memory ---------------------------------------------------------------------------
+def test_shm_check_decides_on_needed_versus_free_bytes():
+    check_shm_space(0, free=0)  # nothing to move: no check
+    check_shm_space(10 * MiB, free=20 * MiB)
+    with pytest.raises(CheckpointError) as raised:
+        check_shm_space(30 * MiB, free=20 * MiB)
+    message = str(raised.value)
+    assert SHM_DIR in message and str(30 * MiB) in message and str(20 * MiB) in message
+    assert "--shm-size" in message and "SIGBUS" in message
+    with pytest.raises(CheckpointError):  # within the headroom counts as too little
+        check_shm_space(20 * MiB, free=20 * MiB)
+
+
+def test_shm_bytes_needed_counts_storages_once_and_skips_shared_tensors():
+    base = torch.zeros(1000, dtype=torch.float32)  # 4000 bytes -> one page
+    views = [(base[:10], False), (base[500:], False)]  # two views, one storage, moved in place
+    assert shm_bytes_needed(views) == 4096
+    big = torch.zeros(3 * MiB, dtype=torch.uint8)
+    assert shm_bytes_needed([(big, False)]) == 3 * MiB
+    assert shm_bytes_needed([(big[:10], True)]) == 4096  # a fresh copy is just the view's bytes
+    shared = torch.zeros(MiB, dtype=torch.uint8).share_memory_()
+    assert shm_bytes_needed([(shared, False)]) == 0
+
+
+def test_schedule_save_refuses_to_overfill_shm_and_moves_nothing(ckpt_root, monkeypatch):
+    state = big_state(8)
+    with AsyncCheckpointer(ckpt_root, config(timeout_s=30.0)) as ckpt:
+        monkeypatch.setattr(snapshot_module, "shm_free_bytes", lambda path=SHM_DIR: 4 * MiB)
+        with pytest.raises(CheckpointError, match=r"must move into /dev/shm, which has 4194304 bytes"):
+            ckpt.schedule_save(state, step=1)
+        assert not any(t.is_shared() for t in state["weights"].values())  # nothing was moved
+        assert not os.path.exists(step_path(ckpt_root, 1))
+        monkeypatch.undo()
+        ckpt.schedule_save(state, step=2)
+        assert [r.step for r in ckpt.finalize(blocking=True)] == [2]
+        assert_loads(ckpt_root, 2, clone_state(state))
+
+
+SHM_SCRIPT = textwrap.dedent(
+    """
+    import os, sys, torch
+    from asyncckpt import AsyncCheckpointer, CheckpointConfig, CheckpointError
+    root = sys.argv[1]
+    print("shm bytes free", os.statvfs("/dev/shm").f_bavail * os.statvfs("/dev/shm").f_frsize, flush=True)
+    with AsyncCheckpointer(root, CheckpointConfig(timeout_s=30.0)) as ckpt:
+        try:
+            ckpt.schedule_save({"w": torch.ones(32 << 20, dtype=torch.uint8)}, step=1)  # 32 MiB
+            print("UNEXPECTED: saved", flush=True)
+        except CheckpointError as exc:
+            print("refused:", exc, flush=True)
+        ckpt.schedule_save({"w": torch.ones(4 << 20, dtype=torch.uint8)}, step=2)  # 4 MiB fits
+        print("committed", [r.step for r in ckpt.finalize(blocking=True)], flush=True)
+    """
+)
+
+
+def test_small_real_dev_shm_end_to_end(tmp_path):
+    """A trainer in its own mount namespace with a 16 MiB /dev/shm (needs root and unshare)."""
+    probe = subprocess.run(["unshare", "--mount", "true"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        pytest.skip(f"no private mount namespace here ({probe.stderr.strip()})")
+    script = tmp_path / "shm_trainer.py"
+    script.write_text(SHM_SCRIPT)
+    inner = f"mount -t tmpfs -o size=16m tmpfs /dev/shm && exec {sys.executable} {script} {tmp_path / 'ckpt'}"
+    done = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c", inner],
+        capture_output=True, text=True, timeout=120, cwd=REPO,
+    )
+    print("\n" + done.stdout + done.stderr[-2000:])
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "refused: not enough shared memory" in done.stdout and "must move into /dev/shm" in done.stdout
+    assert "committed [2]" in done.stdout
+
+
+# 8. bounded exit ------------------------------------------------------------------------------
+EXIT_SCRIPT = textwrap.dedent(
+    """
+    import dataclasses, os, signal, torch
+    from asyncckpt import AsyncCheckpointer
+    ckpt = AsyncCheckpointer({root!r})
+    ckpt.schedule_save({{"w": torch.arange(1000.0)}}, step=1)
+    ckpt.finalize(blocking=True)
+    ckpt.config = dataclasses.replace(ckpt.config, timeout_s=2.0)  # after the worker's start-up
+    ckpt.schedule_save({{"w": torch.arange(1000.0)}}, step=2)
+    os.kill(ckpt.worker_pid, signal.SIGSTOP)  # stuck worker; the script exits without close()
+    print(ckpt.worker_pid, flush=True)
+    """
+)
+
+
+def test_script_exit_with_a_stuck_worker_is_bounded_by_timeout(ckpt_root, tmp_path):
+    script = tmp_path / "exit.py"
+    script.write_text(EXIT_SCRIPT.format(root=ckpt_root))
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=REPO)
+    elapsed = time.monotonic() - started
+    print(f"\nscript with a stuck worker exited after {elapsed:.1f}s: {done.stderr.strip()[-300:]}")
+    assert elapsed < 60
+    assert done.returncode == 0, done.stderr
+    wait_gone(int(done.stdout.split()[-1]), 10)
+    assert committed_steps(ckpt_root) == [1] and read_latest_marker(ckpt_root) == "step_00000001"
+    assert "step 2 not committed" in done.stderr
