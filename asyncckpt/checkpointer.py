@@ -284,6 +284,7 @@ class AsyncCheckpointer:
         durable_s = now - flight.started
         report = SaveReport(
             step=flight.step,
+            rank=self.rank,
             path=flight.step_dir,
             bytes=verdict.total_bytes,
             blocked_s=flight.blocked_s,

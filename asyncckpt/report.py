@@ -16,6 +16,7 @@ class SaveReport:
     """Figures of one committed save (seconds unless named otherwise)."""
 
     step: int
+    rank: int
     path: str
     bytes: int
     blocked_s: float  # time schedule_save held the caller (includes waiting for the previous save)
@@ -43,8 +44,16 @@ def publish(report: SaveReport, metrics_path: Optional[str], on_commit: Optional
         report.commit_s, report.durable_s, report.throughput_gbps, report.worker_pid,
         ", cache hit" if report.cache_hit else "",
     )
+    # The save is committed already: a failing side channel is logged, never turned into a
+    # failure of this save or of the next schedule_save.
     if metrics_path:
-        with open(metrics_path, "a") as f:
-            f.write(json.dumps(report.as_dict()) + "\n")
+        try:
+            with open(metrics_path, "a") as f:
+                f.write(json.dumps(report.as_dict()) + "\n")
+        except OSError as exc:
+            log.warning("could not append save figures to %s: %s", metrics_path, exc)
     if on_commit is not None:
-        on_commit(report)
+        try:
+            on_commit(report)
+        except Exception:
+            log.exception("on_commit callback failed for step %d (the checkpoint is committed)", report.step)
