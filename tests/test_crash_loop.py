@@ -1,0 +1,220 @@
+"""Crash loop: a trainer that saves back to back is SIGKILLed at a random moment of a save, 20 times
+over one root. After every kill `load_latest` returns a committed step whose values are exactly
+that step's, `latest` names a committed checkpoint, the committed step never goes backwards, and
+the killed trainer's worker (and writer children) are gone within 10 seconds.
+
+Each trainer is a real process forked from a small "zygote" script that has already imported torch,
+so an iteration pays for one interpreter start (its worker's), not two; and the next trainer is
+forked (its worker starting) while the current one still saves, and told to go once the current
+one was killed and checked.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import select
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+import torch
+
+import asyncckpt
+from asyncckpt import AsyncCheckpointer, CheckpointConfig
+from asyncckpt.loading import list_checkpoints, read_latest_marker
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ITERATIONS = 20
+TENSORS, NUMEL = 4, 1 << 18  # 4 x 2 MiB of float64
+
+
+def expected_state(step: int) -> dict:
+    """The state a trainer holds at `step`: every value a function of the step."""
+    return {
+        "weights": {
+            f"t{i}": torch.arange(NUMEL, dtype=torch.float64) + float(step * 1000 + i) for i in range(TENSORS)
+        },
+        "meta": {"step": step, "tag": f"step-{step}"},
+    }
+
+
+ZYGOTE = textwrap.dedent(
+    f"""
+    import os, random, signal, sys, time
+    import torch
+    from asyncckpt import AsyncCheckpointer, CheckpointConfig
+
+    TENSORS, NUMEL = {TENSORS}, {NUMEL}
+
+    def train(root, io, go_fd):
+        base = torch.arange(NUMEL, dtype=torch.float64)
+        state = {{
+            "weights": {{f"t{{i}}": torch.zeros(NUMEL, dtype=torch.float64) for i in range(TENSORS)}},
+            "meta": {{"step": 0, "tag": ""}},
+        }}
+        ckpt = AsyncCheckpointer(root, CheckpointConfig(
+            io=io, io_workers=2, keep_last=2, worker_nice=None, worker_ionice=None, timeout_s=120.0))
+        if os.read(go_fd, 1) != b"g":  # the worker starts meanwhile; the root is not touched yet
+            return
+        resumed = ckpt.load_latest(state)
+        step = 0 if resumed is None else resumed + 1
+        first = True
+        while True:
+            for i, tensor in enumerate(state["weights"].values()):
+                tensor.copy_(base).add_(float(step * 1000 + i))
+            state["meta"] = {{"step": step, "tag": f"step-{{step}}"}}
+            ckpt.schedule_save(state, step=step)
+            if first:
+                print("ready", os.getpid(), ckpt.worker_pid, resumed, flush=True)
+                first = False
+            ckpt.finalize()
+            step += 1
+
+    go = {{}}  # trainer pid -> write end of its go pipe
+    for line in sys.stdin:
+        command, *args = line.split()
+        if command == "spawn":
+            read_fd, write_fd = os.pipe()
+            sys.stdout.flush()
+            pid = os.fork()
+            if pid == 0:
+                try:
+                    for fd in [write_fd, *go.values()]:
+                        os.close(fd)
+                    train(*args, read_fd)
+                finally:
+                    os._exit(1)
+            os.close(read_fd)
+            go[pid] = write_fd
+            print("spawned", pid, flush=True)
+        elif command == "go":
+            os.write(go[int(args[0])], b"g")
+        elif command == "reap":
+            pid = int(args[0])
+            os.close(go.pop(pid))
+            _, status = os.waitpid(pid, 0)
+            print("exited", pid, status, flush=True)
+    """
+)
+
+
+def read_line(stream, timeout_s: float) -> list[str]:
+    ready, _, _ = select.select([stream], [], [], timeout_s)
+    assert ready, f"no line from the zygote within {timeout_s}s"
+    return stream.readline().split()
+
+
+def wait_gone(pid: int, timeout_s: float) -> float:
+    started = time.monotonic()
+    while time.monotonic() - started < timeout_s:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return time.monotonic() - started
+        except psutil.NoSuchProcess:
+            return time.monotonic() - started
+        time.sleep(0.02)
+    raise AssertionError(f"process {pid} still running {timeout_s}s after its trainer was killed")
+
+
+def zeros_like(state: dict) -> dict:
+    return {
+        "weights": {k: torch.zeros_like(v) for k, v in state["weights"].items()},
+        "meta": {"step": -1, "tag": ""},
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_trainer_killed_at_random_points_always_leaves_a_loadable_committed_latest(tmp_path):
+    root = str(tmp_path / "ckpt")
+    script = tmp_path / "zygote.py"
+    script.write_text(ZYGOTE)
+    rng = random.Random(20240605)
+    stderr_path = tmp_path / "trainers.stderr"
+    zygote = subprocess.Popen(
+        [sys.executable, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(stderr_path, "w"),
+        text=True, cwd=REPO, bufsize=1,
+    )
+    reader = AsyncCheckpointer(root, CheckpointConfig(worker_nice=None, worker_ionice=None))
+    history, started = [], time.monotonic()
+
+    def command(text: str) -> None:
+        zygote.stdin.write(text + "\n")
+        zygote.stdin.flush()
+
+    def spawn(io: str) -> int:
+        command(f"spawn {root} {io}")
+        line = read_line(zygote.stdout, 30)
+        assert line[:1] == ["spawned"], line
+        return int(line[1])
+
+    next_trainer = spawn("thread")
+    try:
+        last_step = -1
+        for iteration in range(ITERATIONS):
+            io = "process" if iteration % 2 else "thread"
+            trainer_pid = next_trainer
+            go_at = time.monotonic()
+            command(f"go {trainer_pid}")
+            # the next trainer's worker starts while this one runs (two cores: it overlaps)
+            next_trainer = spawn("thread" if iteration % 2 else "process") if iteration + 1 < ITERATIONS else None
+            line = read_line(zygote.stdout, 120)
+            ready_s = time.monotonic() - go_at
+            assert line[:2] == ["ready", str(trainer_pid)], line
+            worker_pid = int(line[2])
+            delay = rng.uniform(0.0, 0.8)
+            time.sleep(delay)
+            try:
+                writers = psutil.Process(worker_pid).children()
+            except psutil.NoSuchProcess:
+                writers = []
+            os.kill(trainer_pid, 9)
+            command(f"reap {trainer_pid}")
+            line = read_line(zygote.stdout, 30)
+            assert line[:2] == ["exited", str(trainer_pid)], line
+            status = int(line[2])
+            assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == 9, (
+                f"iteration {iteration}: trainer ended by itself ({status}) before the kill:\n"
+                + stderr_path.read_text()[-3000:]
+            )
+            worker_gone_s = wait_gone(worker_pid, 10)
+            for child in writers:
+                wait_gone(child.pid, 10)
+
+            target = zeros_like(expected_state(0))
+            step = reader.load_latest(target)
+            assert step is not None, f"iteration {iteration}: nothing committed"
+            expected = expected_state(step)
+            assert target["meta"] == expected["meta"]
+            for name, tensor in expected["weights"].items():
+                assert torch.equal(target["weights"][name], tensor), f"iteration {iteration}: {name} of step {step}"
+            assert step >= last_step, f"committed step went back from {last_step} to {step}"
+            infos = list_checkpoints(root)
+            committed = {c.name for c in infos if c.committed}
+            assert read_latest_marker(root) in committed
+            torn = [c.name for c in infos if not c.committed]
+            history.append((iteration, io, round(ready_s, 2), round(delay, 2), step, len(writers), round(worker_gone_s, 2), torn))
+            last_step = step
+    finally:
+        reader.close()
+        if next_trainer is not None:
+            os.kill(next_trainer, 9)
+        zygote.stdin.close()
+        zygote.wait(30)
+    print(f"\n{ITERATIONS} kills in {time.monotonic() - started:.1f}s")
+    print("iteration, io, go to first save staged s, kill delay s, latest step, writer children at kill, worker gone after s, torn dirs")
+    for row in history:
+        print("  ", row)
+    assert last_step > ITERATIONS // 2  # the trainers made progress between kills
+
+    cleanup = getattr(asyncckpt, "cleanup", None)
+    if cleanup is not None:  # asyncckpt.cleanup(root) removes torn leftovers, keeps every committed one
+        before = [c for c in list_checkpoints(root) if c.committed]
+        cleanup(root)
+        after = list_checkpoints(root)
+        assert all(c.committed for c in after) and [c.name for c in after] == [c.name for c in before]
+        assert asyncckpt.latest_checkpoint(root).step == last_step
