@@ -4,7 +4,7 @@ from .checkpointer import AsyncCheckpointer
 from .report import SaveReport
 from .config import CheckpointConfig
 from .errors import CheckpointError, CheckpointTimeoutError, WorkerDiedError
-from .loading import CheckpointInfo, latest_checkpoint, list_checkpoints, load, verify_checkpoint
+from .loading import CheckpointInfo, cleanup, latest_checkpoint, list_checkpoints, load, verify_checkpoint
 
 __all__ = [
     "AsyncCheckpointer",
@@ -14,6 +14,7 @@ __all__ = [
     "CheckpointTimeoutError",
     "SaveReport",
     "WorkerDiedError",
+    "cleanup",
     "latest_checkpoint",
     "list_checkpoints",
     "load",

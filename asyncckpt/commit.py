@@ -143,7 +143,7 @@ def apply_retention(storage: Storage, root: str, keep_last: int | None) -> list[
     protected = read_latest_marker(root, storage)
     deleted = []
     for info in committed[: max(len(committed) - keep_last, 0)]:
-        if info.name == protected:
+        if info.name == protected or not storage.is_dir(info.path):  # re-checked: never through a symlink
             continue
         # un-commit first, so a crash mid-delete leaves a torn directory, never a broken checkpoint
         storage.remove_file(storage.join(info.path, METADATA_FILE))

@@ -1,26 +1,42 @@
-"""Finding and loading checkpoints: layout names, `latest`, listing, `load`, `verify`."""
+"""Finding and loading checkpoints: layout names, `latest`, listing, `load`, `verify`, `cleanup`.
+
+Loading reads through `SafeReader`, a DCP StorageReader that treats the checkpoint as untrusted
+data (see safety.py): restricted unpickling of `.metadata`, paths and byte ranges checked before
+any read, tensors and objects loaded with `weights_only=True` unless the caller says `trusted=True`.
+"""
 
 from __future__ import annotations
 
+import io
 import logging
-import pickle
+import os
 import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed.checkpoint import DefaultLoadPlanner, StorageReader
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.filesystem import _StorageReaderTransforms
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.futures import Future
 
 from .errors import CheckpointError
-from .formats import CHECKSUMS_FILE, crc32_of, decode_checksums
-from .storage import Storage, storage_for
+from .formats import CHECKSUMS_FILE, SAFETENSORS_SUFFIX, crc32_of, decode_checksums
+from .safety import TRUST_HINT, check_range, check_relative_path, load_metadata, load_object, load_tensor, raw_tensor
+from .storage import LocalStorage, Storage, storage_for
 
 log = logging.getLogger(__name__)
 
 METADATA_FILE = ".metadata"
 LATEST_FILE = "latest"
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
+# what a save leaves in a step directory, and write_atomic's temp files (stock DCP: .metadata.tmp)
+_DATA_FILE = re.compile(r"^__\d+_\d+(\.distcp|\.safetensors)$")
+_TEMP_FILE = re.compile(r"^\.(\.metadata|\.checksums\.json|latest)\.tmp-\d+$|^\.metadata\.tmp$|^\.asyncckpt-probe-[\w-]+$")
 
 
 def step_dir_name(step: int) -> str:
@@ -76,23 +92,157 @@ def latest_checkpoint(root: str) -> Optional[CheckpointInfo]:
     return committed[-1] if committed else None
 
 
-def load(state_dict: dict[str, Any], path: str, *, verify: bool = False, process_group=None) -> None:
+def load(
+    state_dict: dict[str, Any], path: str, *, verify: bool = False, trusted: bool = False, process_group=None
+) -> None:
     """Load a committed checkpoint into `state_dict` in place (tensors are copied into the
-    existing tensors; resharding follows DCP). With `verify=True`, checksums are checked first."""
+    existing tensors; resharding follows DCP). With `verify=True`, checksums are checked first.
+    Safe for checkpoints from anywhere unless `trusted=True`, which allows full unpickling of
+    `.metadata` and of objects (paths and byte ranges are checked either way)."""
     storage = storage_for(path)
     if not storage.exists(storage.join(path, METADATA_FILE)):
         raise CheckpointError(f"{path!r} is not a committed checkpoint (no {METADATA_FILE})")
+    reader = SafeReader(path, trusted=trusted)
+    reader.read_metadata()  # a refused .metadata fails here, with its own message, on every rank
     if verify:
         problems = verify_checkpoint(path)
         if problems:
             raise CheckpointError(f"{path!r} failed verification: " + "; ".join(problems[:5]))
     use_dist = dist.is_available() and dist.is_initialized()
     try:
-        dcp.load(state_dict, storage_reader=FileSystemReader(path), process_group=process_group, no_dist=not use_dist)
+        dcp.load(
+            state_dict,
+            storage_reader=reader,
+            planner=SafeLoadPlanner(trusted),
+            process_group=process_group,
+            no_dist=not use_dist,
+        )
     except BaseException as exc:  # DCP's CheckpointException is a BaseException
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             raise
         raise CheckpointError(f"loading {path!r} failed: {exc}") from exc
+
+
+def read_metadata(path: str, *, trusted: bool = False, name: str = METADATA_FILE) -> Metadata:
+    """A checkpoint's DCP metadata, unpickled safely (see safety.py), every file it names
+    checked to lie inside `path`."""
+    storage = storage_for(path)
+    source = storage.join(path, name)
+    metadata = load_metadata(storage.read_bytes(source), source, trusted)
+    for relative_path in {info.relative_path for info in (metadata.storage_data or {}).values()}:
+        check_relative_path(storage, path, relative_path)
+    return metadata
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, but objects are unpickled with `weights_only=True` unless
+    trusted (the stock planner unpickles them fully)."""
+
+    def __init__(self, trusted: bool = False) -> None:
+        super().__init__()
+        self.trusted = trusted
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        fqn = read_item.dest_index.fqn
+        obj = load_object(value.getvalue(), self.trusted, f"object {fqn!r}")
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[fqn], obj)
+        else:
+            self.state_dict[fqn] = obj
+
+
+class SafeReader(StorageReader):
+    """A DCP StorageReader for checkpoints nobody here wrote, on any asyncckpt storage (local,
+    msc://, s3://). It reads what stock FileSystemReader reads (torch.save items, stream
+    transforms) and asyncckpt's raw safetensors items; every path and byte range is checked
+    before it is read. Objects need `SafeLoadPlanner` unless `trusted=True`."""
+
+    def __init__(self, path: str, *, trusted: bool = False) -> None:
+        super().__init__()
+        self.trusted = trusted
+        self._transforms = _StorageReaderTransforms()
+        self.reset(path)
+
+    def reset(self, checkpoint_id=None) -> None:
+        if checkpoint_id is not None:
+            self.path = str(checkpoint_id)
+            self.storage = storage_for(self.path)
+        self.metadata: Optional[Metadata] = None
+
+    @property
+    def checkpoint_id(self) -> str:
+        return self.path
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id) -> bool:
+        return isinstance(checkpoint_id, str)
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        rank = kwargs.get("rank")  # DCP asks for __{rank}.metadata when .metadata is missing
+        name = METADATA_FILE if rank is None else f"__{rank}{METADATA_FILE}"
+        return read_metadata(self.path, trusted=self.trusted, name=name)
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if metadata.storage_data is None:
+            raise CheckpointError(f"{self.path}: {METADATA_FILE} has no storage_data")
+        self.metadata = metadata
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        if not self.trusted and not isinstance(planner, SafeLoadPlanner):
+            if any(req.type == LoadItemType.BYTE_IO for req in plan.items):
+                raise CheckpointError(f"{self.path}: objects are unpickled by the planner: use SafeLoadPlanner, or {TRUST_HINT}")
+        per_file: dict[str, list[ReadItem]] = {}
+        for req in plan.items:
+            per_file.setdefault(self.metadata.storage_data[req.storage_index].relative_path, []).append(req)
+        files = {relative_path: check_relative_path(self.storage, self.path, relative_path) for relative_path in per_file}
+        for relative_path, reqs in per_file.items():  # every range checked before anything is read
+            size = self.storage.size(files[relative_path])
+            for req in reqs:
+                info = self.metadata.storage_data[req.storage_index]
+                check_range(files[relative_path], req.storage_index.fqn, info.offset, info.length, size)
+        for relative_path, reqs in per_file.items():
+            for req in reqs:
+                self._read_item(files[relative_path], req, planner)
+        done: Future = Future()
+        done.set_result(None)
+        return done
+
+    def _read_item(self, file: str, req: ReadItem, planner: LoadPlanner) -> None:
+        info = self.metadata.storage_data[req.storage_index]
+        data = self.storage.read_bytes(file, info.offset, info.length)
+        what = f"{file}: {req.storage_index.fqn}"
+        if len(data) != info.length:
+            raise CheckpointError(f"{what} is truncated ({len(data)} of {info.length} bytes)")
+        if info.transform_descriptors:
+            data = self._transforms.transform_load_stream(req, info.transform_descriptors, io.BytesIO(data)).read()
+        if req.type == LoadItemType.BYTE_IO:
+            planner.load_bytes(req, io.BytesIO(data))
+            return
+        if info.relative_path.endswith(SAFETENSORS_SUFFIX):
+            tensor = raw_tensor(data, *self._chunk_layout(req), what)
+        else:
+            tensor = load_tensor(data, what)
+        tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
+        target = planner.resolve_tensor(req).detach()
+        if target.size() != tensor.size():
+            raise CheckpointError(f"{what}: stored size {tuple(tensor.size())} != target {tuple(target.size())}")
+        target.copy_(tensor)
+        planner.commit_tensor(req, target)
+
+    def _chunk_layout(self, req: ReadItem):
+        """dtype and shape of a raw item, which only the metadata records."""
+        meta = self.metadata.state_dict_metadata.get(req.storage_index.fqn)
+        if isinstance(meta, TensorStorageMetadata):
+            for chunk in meta.chunks:
+                if tuple(chunk.offsets) == tuple(req.storage_index.offset or ()):
+                    return meta.properties.dtype, tuple(chunk.sizes)
+        raise CheckpointError(f"{self.path}: no chunk in {METADATA_FILE} for {req.storage_index}")
 
 
 def verify_checkpoint(path: str) -> list[str]:
@@ -103,7 +253,8 @@ def verify_checkpoint(path: str) -> list[str]:
         return [f"{path}: no {CHECKSUMS_FILE} (saved with checksums=False?)"]
     problems = []
     for entry in decode_checksums(storage.read_bytes(sidecar)):
-        data = storage.read_bytes(storage.join(path, entry.relative_path), entry.start, entry.length)
+        file = check_relative_path(storage, path, entry.relative_path)
+        data = storage.read_bytes(file, entry.start, entry.length)
         name = entry.fqn if entry.offset is None else f"{entry.fqn}{list(entry.offset)}"
         if len(data) != entry.length:
             problems.append(f"{entry.relative_path}: {name} is truncated")
@@ -112,6 +263,34 @@ def verify_checkpoint(path: str) -> list[str]:
     return problems
 
 
-def read_metadata(path: str):
-    storage = storage_for(path)
-    return pickle.loads(storage.read_bytes(storage.join(path, METADATA_FILE)))
+def cleanup(root: str, dry_run: bool = False) -> list[str]:
+    """Remove what interrupted saves left in `root`: step directories without `.metadata`, and
+    stray temp files of atomic writes. Returns the paths removed (with `dry_run`, that would be).
+
+    Only what is recognisably ours goes: a torn directory holding anything but data files and
+    temp files (a subdirectory, a file of another name) is kept and logged; symlinks are never
+    followed or removed; committed checkpoints are never touched. Do not run it while a save into
+    `root` is in flight: that save's directory is uncommitted until it finishes."""
+    storage = storage_for(root)
+    leftovers = [storage.join(root, name) for name in storage.list_dir(root) if _TEMP_FILE.match(name)]
+    for info in list_checkpoints(root, storage):
+        names = storage.list_dir(info.path)
+        if info.committed:
+            leftovers += [storage.join(info.path, n) for n in names if _TEMP_FILE.match(n)]
+            continue
+        foreign = [n for n in names if not (_DATA_FILE.match(n) or _TEMP_FILE.match(n) or n == CHECKSUMS_FILE)
+                   or storage.is_dir(storage.join(info.path, n))]
+        if foreign:
+            log.warning("cleanup: keeping %s: it holds %s, which a save does not write", info.path, ", ".join(foreign[:3]))
+        else:
+            leftovers.append(info.path)
+    leftovers = [p for p in leftovers if not (isinstance(storage, LocalStorage) and os.path.islink(p))]
+    if not dry_run:
+        for path in leftovers:
+            if storage.is_dir(path):
+                storage.remove_tree(path)
+            else:
+                storage.remove_file(path)
+        if leftovers:
+            log.info("cleanup removed %s", ", ".join(leftovers))
+    return leftovers
