@@ -30,7 +30,7 @@ from .ranks import RankGroup
 from .report import SaveReport, publish
 from .protocol import SaveFailed, SaveRequest, Staged, WorkerSettings, WriteDone, WriteOptions
 from .snapshot import Snapshot, take_snapshot
-from .storage import storage_for
+from .storage import is_remote, storage_for
 
 log = logging.getLogger("asyncckpt")
 
@@ -125,6 +125,8 @@ class AsyncCheckpointer:
         local, problem, overwrite = None, None, False
         try:
             self._storage.prepare_dir(self.root)
+            if not is_remote(step_dir) and os.path.islink(step_dir):
+                raise CheckpointError(f"{step_dir!r} is a symlink; refusing to write a checkpoint through it")
             overwrite = self._group.is_coordinator and self._storage.exists(self._storage.join(step_dir, METADATA_FILE))
             self._storage.prepare_dir(step_dir)
             local = self._planning.local(_plain_state(state_dict), self._group.is_coordinator)
@@ -198,13 +200,14 @@ class AsyncCheckpointer:
         reports, self._committed = self._committed, []
         return reports
 
-    def load_latest(self, state_dict: dict[str, Any]) -> Optional[int]:
+    def load_latest(self, state_dict: dict[str, Any], *, trusted: bool = False) -> Optional[int]:
         """Load the newest committed checkpoint into `state_dict` in place; return its step, or
-        None when there is none (a fresh start)."""
-        info = latest_checkpoint(self.root) if self._storage.is_dir(self.root) else None
+        None when there is none (a fresh start). Objects load with `weights_only=True` unless
+        `trusted=True` (needed for e.g. custom classes or NumPy RNG states in the state)."""
+        info = latest_checkpoint(self.root)  # the root may itself be a symlink; that is fine
         if info is None:
             return None
-        load(state_dict, info.path, process_group=self._group.pg)
+        load(state_dict, info.path, trusted=trusted, process_group=self._group.pg)
         log.info("resumed from %s (step %d)", info.path, info.step)
         return info.step
 
