@@ -1,5 +1,5 @@
 """format="safetensors": every bucket file is a valid safetensors file; `.metadata` points at each
-tensor's raw bytes; objects live in a torch_save file beside them; asyncckpt and DCP's
+tensor's raw bytes; objects live in a torch_save file after them (`__{rank}_{n}.distcp`); asyncckpt and DCP's
 HuggingFaceStorageReader both read the checkpoint back."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from safetensors import safe_open
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader
 
-from asyncckpt import AsyncCheckpointer, CheckpointConfig
+from asyncckpt import AsyncCheckpointer, CheckpointConfig, load
 from asyncckpt.formats import CheckpointReader, with_safetensors_items
 from asyncckpt.loading import verify_checkpoint
 from conftest import assert_state_equal, clone_state, zeros_like_state
@@ -68,7 +68,7 @@ def test_every_bucket_file_is_a_valid_safetensors_file(ckpt_root):
     path = save(ckpt_root, state, io_workers=2)
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     assert [os.path.basename(f) for f in files] == ["__0_0.safetensors", "__0_1.safetensors"]
-    assert os.path.exists(os.path.join(path, "__0_objects.distcp"))
+    assert os.path.exists(os.path.join(path, "__0_2.distcp"))  # the objects, in torch_save format
     seen = {}
     for file in files:
         with safe_open(file, framework="pt") as f:
@@ -83,11 +83,11 @@ def test_every_bucket_file_is_a_valid_safetensors_file(ckpt_root):
 def test_metadata_points_at_each_tensors_raw_bytes(ckpt_root):
     state = mixed_state()
     expected = tensors_of(clone_state(state))
-    path = save(ckpt_root, state)
+    path = save(ckpt_root, state, io_workers=1)
     metadata = pickle.load(open(os.path.join(path, ".metadata"), "rb"))
     for index, info in metadata.storage_data.items():
         if index.fqn not in expected:
-            assert info.relative_path == "__0_objects.distcp"
+            assert info.relative_path == "__0_1.distcp"  # objects file after the one safetensors file
             continue
         tensor = expected[index.fqn]
         assert info.relative_path.endswith(".safetensors") and info.length == tensor.nbytes
@@ -109,6 +109,15 @@ def test_round_trip_through_asyncckpt_reader_is_bitwise_equal(ckpt_root, io):
     dcp.load(target, storage_reader=with_safetensors_items(FileSystemReader)(path), no_dist=True)
     assert_state_equal(target, expected)
     assert verify_checkpoint(path) == []
+
+
+def test_asyncckpt_load_reads_it_back_bitwise_equal(ckpt_root):
+    state = mixed_state()
+    expected = clone_state(state)
+    path = save(ckpt_root, state, io_workers=2)
+    target = zeros_like_state(expected)
+    load(target, path, verify=True)
+    assert_state_equal(target, expected)
 
 
 def test_huggingface_storage_reader_loads_the_tensors(ckpt_root):

@@ -32,10 +32,6 @@ def data_file_name(rank: int, n: int, fmt: str = TORCH_SAVE) -> str:
     return f"__{rank}_{n}" + (SAFETENSORS_SUFFIX if fmt == SAFETENSORS else ".distcp")
 
 
-def objects_file_name(rank: int) -> str:
-    return f"__{rank}_objects.distcp"
-
-
 def make_buckets(
     items: Sequence[ItemSpec],
     object_sizes: dict[int, int],
@@ -49,7 +45,7 @@ def make_buckets(
     Tensors go largest first into the lightest bucket; pickled objects are spread round-robin.
     Items whose name starts with `separation_hint` form a group of their own files. File names are
     deterministic for the same items and settings. With fmt="safetensors" the bucket files hold
-    tensors only and every object goes into one more file, `__{rank}_objects.distcp`.
+    tensors only and every object goes into one more file, a torch_save `__{rank}_{n}.distcp` after them.
     """
     groups: list[list[int]] = [[], []]
     for pos, spec in enumerate(items):
@@ -82,7 +78,8 @@ def make_buckets(
         bucket.format = fmt
     objects = [p for p, spec in enumerate(items) if spec.kind != TENSOR]
     if fmt == SAFETENSORS and objects:
-        buckets.append(Bucket(objects_file_name(rank), objects, sum(object_sizes.get(p, 0) for p in objects)))
+        name = data_file_name(rank, len(buckets), TORCH_SAVE)
+        buckets.append(Bucket(name, objects, sum(object_sizes.get(p, 0) for p in objects)))
     return buckets
 
 
