@@ -31,6 +31,7 @@ class WorkerClient:
         self._process = None
         self._conn = None
         self._inbox: list = []
+        self._unfetched: set = set()  # descriptors our last request offered that the worker may not have taken
 
     # lifecycle -----------------------------------------------------------------------------
     def start(self) -> None:
@@ -63,6 +64,13 @@ class WorkerClient:
         self._process, self._conn, self._inbox = None, None, []
         if process is None:
             return
+        try:
+            self._stop(process, conn, timeout_s)
+        finally:
+            _drop_offered_fds(self._unfetched)  # a worker that is gone will never fetch them
+            self._unfetched = set()
+
+    def _stop(self, process, conn, timeout_s: float) -> None:
         if process.is_alive():
             try:
                 _send_bounded(conn, process, Shutdown(), min(timeout_s, SHUTDOWN_SEND_S))
@@ -92,6 +100,7 @@ class WorkerClient:
         fresh one."""
         if not self.is_alive():
             raise self._died("before the request could be sent")
+        offered_before = _offered_fds()
         try:
             _send_bounded(self._conn, self._process, request, timeout_s)
         except TimeoutError:
@@ -104,6 +113,8 @@ class WorkerClient:
             ) from None
         except (OSError, EOFError) as exc:
             raise self._died(f"while sending the request ({exc})") from exc
+        finally:
+            self._unfetched = _offered_fds() - offered_before
 
     def take(self, save_id: int, kinds: tuple[type, ...], timeout_s: Optional[float]) -> Optional[object]:
         """Return the first message for `save_id` of one of `kinds`, waiting at most `timeout_s`
@@ -114,6 +125,7 @@ class WorkerClient:
         while True:
             for i, message in enumerate(self._inbox):
                 if getattr(message, "save_id", None) == save_id and isinstance(message, kinds):
+                    self._unfetched = set()  # it answered, so it unpickled the request and took them all
                     return self._inbox.pop(i)
             remaining = deadline - time.monotonic()
             if not self._receive(min(max(remaining, 0.0), POLL_SLICE_S)):
@@ -148,6 +160,38 @@ class WorkerClient:
         reason = f"exit code {code}" if code is None or code >= 0 else f"killed by signal {-code}"
         pid = process.pid if process is not None else None
         return WorkerDiedError(f"rank {self.settings.rank}: checkpoint worker pid {pid} died ({reason}) {when}".rstrip())
+
+
+def _offered_fds() -> set:
+    """Keys of the descriptors this process currently offers through multiprocessing's resource
+    sharer (torch registers one for every shared CPU storage it pickles)."""
+    from multiprocessing import resource_sharer
+
+    cache = getattr(resource_sharer._resource_sharer, "_cache", None)
+    return set(cache) if isinstance(cache, dict) else set()
+
+
+def _drop_offered_fds(keys: set) -> None:
+    """Close the duplicates offered for a request its worker never unpickled: the sharer keeps
+    them until fetched, so each dead worker would leak one descriptor (and the shared memory
+    behind it) per tensor it was sent."""
+    if not keys:
+        return
+    from multiprocessing import resource_sharer
+
+    sharer = resource_sharer._resource_sharer
+    cache = getattr(sharer, "_cache", None)
+    if not isinstance(cache, dict):
+        return
+    with sharer._lock:
+        entries = [cache.pop(key) for key in keys if key in cache]
+    for _, close in entries:
+        try:
+            close()
+        except OSError:
+            pass
+    if entries:
+        log.debug("closed %d descriptors offered to a worker that never took them", len(entries))
 
 
 def _exiting(pid: int) -> bool:

@@ -9,21 +9,27 @@ tells when the user reallocated a tensor, so the worker never reads an old handl
 
 from __future__ import annotations
 
+import logging
 import os
+import resource
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
+import torch.multiprocessing
 
 from .errors import CheckpointError
 from .planning import PlannedSave, is_tensor_item
 from .protocol import BYTES, TENSOR, ItemSpec
+
+log = logging.getLogger(__name__)
 
 Fingerprint = tuple
 
 SHM_DIR = "/dev/shm"  # where torch puts shared CPU storages (shm_open), a tmpfs on Linux
 SHM_HEADROOM_BYTES = 1 << 20  # left free for tmpfs bookkeeping and other users
 _PAGE = 4096
+FD_HEADROOM = 64  # descriptors kept spare beyond those the shared storages will hold
 
 
 @dataclass
@@ -51,6 +57,7 @@ def take_snapshot(planned: PlannedSave) -> Snapshot:
                 raise CheckpointError(f"state entry {fqn!r}: resolved shape {tuple(tensor.shape)} != planned {expected}")
             resolved[pos] = (tensor, fresh)
     check_shm_space(shm_bytes_needed(resolved.values()))  # a full /dev/shm is a SIGBUS, not an error
+    ensure_fd_room(storages_to_share(resolved.values()))  # each shared storage holds a descriptor
     for pos, item in enumerate(planned.plan.items):
         if not is_tensor_item(item):
             objects[pos] = _pickled_object(planned, item)
@@ -58,7 +65,7 @@ def take_snapshot(planned: PlannedSave) -> Snapshot:
             tensors.append(None)
             fingerprints.append(None)
             continue
-        tensor, fresh = _shareable_tensor(*resolved.pop(pos))
+        tensor, fresh = _shareable_tensor(*resolved.pop(pos), item.index.fqn)
         if fresh:
             always_fresh.add(pos)
         has_cuda = has_cuda or tensor.is_cuda
@@ -108,10 +115,10 @@ def _moves_in_place(tensor: torch.Tensor, fresh: bool) -> bool:
     return not fresh and tensor.untyped_storage().resizable()
 
 
-def shm_bytes_needed(resolved) -> int:
-    """Bytes of /dev/shm that sharing these (tensor, fresh) pairs will take: a whole storage for
-    each one moved in place (counted once however many views it has), a compact copy otherwise."""
-    needed, seen = 0, set()
+def _to_share(resolved):
+    """Bytes of each shared-memory segment that sharing these (tensor, fresh) pairs creates: a
+    whole storage for each one moved in place (once however many views it has), else a copy."""
+    seen = set()
     for tensor, fresh in resolved:
         if tensor.is_cuda or tensor.is_shared():
             continue
@@ -120,11 +127,56 @@ def shm_bytes_needed(resolved) -> int:
             if storage.data_ptr() in seen:
                 continue
             seen.add(storage.data_ptr())
-            nbytes = storage.nbytes()
+            yield storage.nbytes()
         else:
-            nbytes = tensor.numel() * tensor.element_size()
-        needed += -(-nbytes // _PAGE) * _PAGE
-    return needed
+            yield tensor.numel() * tensor.element_size()
+
+
+def shm_bytes_needed(resolved) -> int:
+    """Bytes of /dev/shm that sharing these (tensor, fresh) pairs will take, page-rounded."""
+    return sum(-(-nbytes // _PAGE) * _PAGE for nbytes in _to_share(resolved))
+
+
+def storages_to_share(resolved) -> int:
+    """How many new shared-memory segments sharing these (tensor, fresh) pairs creates."""
+    return sum(1 for _ in _to_share(resolved))
+
+
+def ensure_fd_room(new_segments: int, open_fds: Optional[int] = None, limits: Optional[tuple] = None) -> None:
+    """Make room for `new_segments` more open descriptors, or raise CheckpointError.
+
+    With torch's default "file_descriptor" sharing strategy every shared CPU storage keeps a file
+    descriptor open for as long as it lives, in the trainer and again in the worker; a state of
+    more tensors than `ulimit -n` (often 1024) would otherwise fail deep inside torch. The soft
+    limit is raised toward the hard one when needed (the worker raises its own at start)."""
+    if new_segments <= 0 or torch.multiprocessing.get_sharing_strategy() != "file_descriptor":
+        return
+    if open_fds is None:
+        try:
+            open_fds = len(os.listdir("/proc/self/fd"))
+        except OSError:
+            return
+    soft, hard = limits if limits is not None else resource.getrlimit(resource.RLIMIT_NOFILE)
+    needed = open_fds + new_segments + FD_HEADROOM
+    if soft == resource.RLIM_INFINITY or needed <= soft:
+        return
+    if hard == resource.RLIM_INFINITY or needed <= hard:
+        target = needed * 2 if hard == resource.RLIM_INFINITY else min(hard, needed * 2)
+        try:
+            if limits is None:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            log.info("raised the open-file limit from %d to %d for %d shared tensors", soft, target, new_segments)
+            return
+        except (ValueError, OSError) as exc:
+            reason = f"raising the soft limit to {target} failed: {exc}"
+    else:
+        reason = f"the hard limit is {hard}"
+    raise CheckpointError(
+        f"too many tensors to share with the checkpoint worker: {new_segments} shared-memory segments "
+        f"need one open file each (here and in the worker), {open_fds} files are open and the "
+        f"open-file limit is {soft} ({reason}). Raise it (`ulimit -n {needed * 2}`, or LimitNOFILE= / "
+        f"--ulimit nofile= for services and containers), or keep fewer, larger tensors in the state."
+    )
 
 
 def shm_free_bytes(path: str = SHM_DIR) -> Optional[int]:
@@ -155,7 +207,7 @@ def check_shm_space(needed: int, free: Optional[int] = None, path: str = SHM_DIR
     )
 
 
-def _shareable_tensor(tensor: torch.Tensor, fresh: bool) -> tuple[torch.Tensor, bool]:
+def _shareable_tensor(tensor: torch.Tensor, fresh: bool, fqn: str) -> tuple[torch.Tensor, bool]:
     """Return (tensor the worker can reach, whether it is a fresh copy made for this save)."""
     if tensor.is_cuda or tensor.is_shared():
         return tensor, fresh
@@ -165,7 +217,10 @@ def _shareable_tensor(tensor: torch.Tensor, fresh: bool) -> tuple[torch.Tensor, 
             return tensor, False
         except RuntimeError:
             pass
-    copy = torch.empty(tensor.shape, dtype=tensor.dtype).share_memory_()
+    try:
+        copy = torch.empty(tensor.shape, dtype=tensor.dtype).share_memory_()
+    except RuntimeError as exc:  # e.g. "Too many open files", "No space left on device"
+        raise CheckpointError(f"state entry {fqn!r} cannot be moved into shared memory ({SHM_DIR}): {exc}") from exc
     copy.copy_(tensor)
     return copy, True
 

@@ -20,7 +20,7 @@ import torch
 from asyncckpt import AsyncCheckpointer, CheckpointConfig, CheckpointError, CheckpointTimeoutError, load
 from asyncckpt import snapshot as snapshot_module
 from asyncckpt.loading import read_latest_marker
-from asyncckpt.snapshot import SHM_DIR, check_shm_space, shm_bytes_needed
+from asyncckpt.snapshot import SHM_DIR, check_shm_space, ensure_fd_room, shm_bytes_needed
 from conftest import assert_state_equal, clone_state, zeros_like_state
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -220,9 +220,11 @@ def test_request_larger_than_the_socket_buffer_to_a_stuck_worker_times_out(ckpt_
     `Connection.send` to a worker that does not read blocks forever. Ours is bounded."""
     timeout_s = 3.0
     state = {"many": {f"p{i}": torch.full((4,), float(i)) for i in range(4000)}}
+    trainer = psutil.Process()
     with AsyncCheckpointer(ckpt_root, config(timeout_s=timeout_s)) as ckpt:
         pid = ckpt.worker_pid
         os.kill(pid, signal.SIGSTOP)
+        fds_before = trainer.num_fds()
         started = time.monotonic()
         with pytest.raises(CheckpointTimeoutError, match="did not take the save request"):
             ckpt.schedule_save(state, step=1)
@@ -234,6 +236,11 @@ def test_request_larger_than_the_socket_buffer_to_a_stuck_worker_times_out(ckpt_
         ckpt.schedule_save(state, step=2)
         assert [r.step for r in ckpt.finalize(blocking=True)] == [2]
         assert_loads(ckpt_root, 2, clone_state(state))
+        # the shared tensors hold one descriptor each; the duplicates offered to the killed
+        # worker (one per tensor, never fetched) must have been closed, not leaked
+        fds_after = trainer.num_fds()
+        print(f"trainer fds: {fds_before} before, {fds_after} after (4000 shared tensors)")
+        assert fds_after < fds_before + 4000 + 100
 
 
 def test_worker_killed_while_idle_is_replaced_by_the_next_save(ckpt_root):
@@ -459,6 +466,50 @@ def test_small_real_dev_shm_end_to_end(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     assert "refused: not enough shared memory" in done.stdout and "must move into /dev/shm" in done.stdout
     assert "committed [2]" in done.stdout
+
+
+# open-file limit ------------------------------------------------------------------------------
+def test_fd_room_decision():
+    ensure_fd_room(0, open_fds=10_000, limits=(256, 256))  # nothing new to share
+    ensure_fd_room(100, open_fds=50, limits=(1024, 1024))
+    ensure_fd_room(2000, open_fds=50, limits=(1024, 65536))  # the soft limit can be raised
+    with pytest.raises(CheckpointError, match=r"2000 shared-memory segments.*the hard limit is 1024.*ulimit -n"):
+        ensure_fd_room(2000, open_fds=50, limits=(1024, 1024))
+
+
+FD_SCRIPT = textwrap.dedent(
+    """
+    import os, resource, sys, torch
+    from asyncckpt import AsyncCheckpointer, CheckpointConfig, CheckpointError
+    resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+    with AsyncCheckpointer(sys.argv[1], CheckpointConfig(timeout_s=60.0)) as ckpt:
+        state = {f"p{i}": torch.full((4,), float(i)) for i in range(600)}  # 600 tensors > 256 files
+        ckpt.schedule_save(state, step=1)
+        print("committed", [r.step for r in ckpt.finalize(blocking=True)], flush=True)
+        limit = len(os.listdir("/proc/self/fd")) + 100  # the held tensors keep theirs open
+        resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))  # now it cannot be raised
+        try:
+            ckpt.schedule_save({f"q{i}": torch.full((4,), float(i)) for i in range(600)}, step=2)
+            print("UNEXPECTED: saved", flush=True)
+        except CheckpointError as exc:
+            print("refused:", exc, flush=True)
+    """
+)
+
+
+def test_more_tensors_than_the_open_file_limit(tmp_path):
+    """Each shared CPU tensor holds a descriptor in the trainer and in the worker: 600 tensors
+    with `ulimit -n 256` commit (soft limits raised), and with a hard limit too low fail with a
+    CheckpointError that says what to do, instead of a RuntimeError deep in torch."""
+    script = tmp_path / "fd_trainer.py"
+    script.write_text(FD_SCRIPT)
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "ckpt")], capture_output=True, text=True, timeout=120, cwd=REPO
+    )
+    print("\n" + done.stdout)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "committed [1]" in done.stdout
+    assert "refused: too many tensors to share with the checkpoint worker: 600 shared-memory segments" in done.stdout
 
 
 # 8. bounded exit ------------------------------------------------------------------------------

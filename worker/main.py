@@ -95,6 +95,7 @@ def run(conn, settings: WorkerSettings) -> None:
     )
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle; it closes us
     _lower_priority(settings)
+    _raise_open_file_limit()
     use_fast_serialization()
     if settings.cuda_device is not None:
         torch.cuda.set_device(settings.cuda_device)
@@ -118,6 +119,20 @@ def _start_parent_watchdog(parent_pid: int, loop: ServeLoop) -> None:
                 os._exit(3)
 
     threading.Thread(target=watch, name="asyncckpt-parent-watchdog", daemon=True).start()
+
+
+def _raise_open_file_limit() -> None:
+    """Every shared CPU storage the trainer hands over keeps a descriptor open here; a state of
+    more tensors than the soft limit (often 1024) would kill the worker while it unpickles the
+    request. The trainer checks its own limit before sharing; the worker takes its hard limit."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft != resource.RLIM_INFINITY and soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError) as exc:
+            log.warning("could not raise the open-file limit from %d to %d: %s", soft, hard, exc)
 
 
 def _lower_priority(settings: WorkerSettings) -> None:
