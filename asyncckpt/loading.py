@@ -168,6 +168,7 @@ class SafeReader(StorageReader):
             self.path = str(checkpoint_id)
             self.storage = storage_for(self.path)
         self.metadata: Optional[Metadata] = None
+        self.checksums: dict[tuple[str, int, int], int] = {}
 
     @property
     def checkpoint_id(self) -> str:
@@ -186,6 +187,19 @@ class SafeReader(StorageReader):
         if metadata.storage_data is None:
             raise CheckpointError(f"{self.path}: {METADATA_FILE} has no storage_data")
         self.metadata = metadata
+        self.checksums = self._load_checksums()
+
+    def _load_checksums(self) -> dict[tuple[str, int, int], int]:
+        """(file, offset, length) -> CRC32 from the sidecar, so every item is checked as it is read
+        (no second pass over the data). Checkpoints without a sidecar load unchecked."""
+        sidecar = self.storage.join(self.path, CHECKSUMS_FILE)
+        if not self.storage.exists(sidecar):
+            return {}
+        try:
+            entries = decode_checksums(self.storage.read_bytes(sidecar))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"{sidecar}: unreadable checksums ({exc})") from exc
+        return {(e.relative_path, e.start, e.length): e.crc32 for e in entries}
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
@@ -219,6 +233,9 @@ class SafeReader(StorageReader):
         what = f"{file}: {req.storage_index.fqn}"
         if len(data) != info.length:
             raise CheckpointError(f"{what} is truncated ({len(data)} of {info.length} bytes)")
+        expected_crc = self.checksums.get((info.relative_path, info.offset, info.length))
+        if expected_crc is not None and crc32_of(data) != expected_crc:
+            raise CheckpointError(f"{what}: checksum mismatch (the data file is damaged)")
         if info.transform_descriptors:
             data = self._transforms.transform_load_stream(req, info.transform_descriptors, io.BytesIO(data)).read()
         if req.type == LoadItemType.BYTE_IO:

@@ -64,11 +64,9 @@ def test_flipped_byte_is_reported_with_file_and_tensor_name(ckpt_root):
     with pytest.raises(CheckpointError, match="model.emb"):
         load(zeros_like_state(expected), path, verify=True)
 
-    # without verify the damage goes unnoticed (torch.save's own CRC is off in the worker):
-    # the value is simply wrong, which is why verify exists
-    target = zeros_like_state(expected)
-    load(target, path)
-    assert not torch.equal(target["model"]["emb"], expected["model"]["emb"])
+    # without verify=True the damage is still caught: each item's CRC32 is checked as it is read
+    with pytest.raises(CheckpointError, match="model.emb.*checksum mismatch"):
+        load(zeros_like_state(expected), path)
 
 
 def test_damaged_object_item_is_named(ckpt_root):
@@ -97,3 +95,24 @@ def test_checksums_off_writes_no_sidecar_and_verify_says_so(ckpt_root):
     assert not os.path.exists(os.path.join(path, ".checksums.json"))
     [problem] = verify_checkpoint(path)
     assert "checksums" in problem
+
+
+def test_plain_load_detects_a_flipped_byte_without_verify(tmp_path):
+    """torch's own CRC is off in the worker; ours is checked as each item is read."""
+    import json
+
+    from asyncckpt import AsyncCheckpointer, CheckpointError, load
+
+    root = str(tmp_path / "ckpt")
+    with AsyncCheckpointer(root) as ckpt:
+        ckpt.schedule_save({"w": torch.arange(4096.0)}, step=1)
+    step_dir = os.path.join(root, "step_00000001")
+    with open(os.path.join(step_dir, ".checksums.json")) as f:
+        [entry] = [e for e in json.load(f)["items"] if e["fqn"] == "w"]
+    with open(os.path.join(step_dir, entry["file"]), "r+b") as f:
+        f.seek(entry["start"] + entry["length"] - 100)  # inside the tensor's data record
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.raises(CheckpointError, match="checksum mismatch"):
+        load({"w": torch.zeros(4096)}, step_dir)
