@@ -33,7 +33,7 @@ bench: venv
 	$(PY) benchmarks/bench_save.py --out bench_out/bench.json --plot bench_out/bench.png
 
 lint: venv
-	$(PY) -m compileall -q asyncckpt worker tests examples benchmarks
+	$(PY) -m pyflakes asyncckpt worker tests examples benchmarks
 
 clean:
 	rm -rf $(VENV) checkpoints bench_out

@@ -7,7 +7,6 @@ CheckpointError instead of a hang.
 from __future__ import annotations
 
 import logging
-import os
 import sys
 import threading
 import time

@@ -3,12 +3,11 @@
 Format "torch_save": each tensor chunk is a standalone `torch.save` archive of exactly that chunk
 and each object its `torch.save` bytes, so DCP's stock FileSystemReader reads every byte range.
 Format "safetensors": each bucket file is a safetensors file (header, then every tensor's raw
-bytes); `.metadata` points at each tensor's raw byte range, and `CheckpointReader` reads them.
+bytes); `.metadata` points at each tensor's raw byte range, and `loading.SafeReader` reads them.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import struct
 import zlib
@@ -16,11 +15,6 @@ from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
 
 import torch
-from torch.distributed._shard._utils import narrow_tensor_by_index
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
-from torch.futures import Future
 
 from .storage import WriteHandle
 
@@ -221,73 +215,3 @@ def safetensors_header(entries: Sequence[SafetensorsEntry]) -> bytes:
     body = json.dumps(header, separators=(",", ":")).encode()
     body += b" " * (-len(body) % 8)
     return struct.pack("<Q", len(body)) + body
-
-
-class SafetensorsItems:
-    """Mixin for DCP's FileSystemReader (or a subclass, e.g. multi-storage-client's): items stored
-    as raw bytes in safetensors bucket files are read from their `.metadata` byte range, with
-    dtype and shape from the metadata; everything else is read exactly as the base reader does."""
-
-    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool) -> None:
-        super().set_up_storage_reader(metadata, is_coordinator)
-        self._tensor_metadata = metadata.state_dict_metadata
-
-    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        raw: dict[str, list[ReadItem]] = {}
-        rest: list[ReadItem] = []
-        for req in plan.items:
-            relative_path = self.storage_data[req.storage_index].relative_path
-            if relative_path.endswith(SAFETENSORS_SUFFIX):
-                raw.setdefault(relative_path, []).append(req)
-            else:
-                rest.append(req)
-        if rest:
-            super().read_data(dataclasses.replace(plan, items=rest), planner).wait()
-        for relative_path, reqs in raw.items():
-            with self.fs.create_stream(self.fs.concat_path(self.path, relative_path), "rb") as f:
-                for req in sorted(reqs, key=lambda r: self.storage_data[r.storage_index].offset):
-                    self._read_raw(f, req, planner)
-        fut: Future = Future()
-        fut.set_result(None)
-        return fut
-
-    def _read_raw(self, f, req: ReadItem, planner: LoadPlanner) -> None:
-        info = self.storage_data[req.storage_index]
-        meta = self._tensor_metadata[req.storage_index.fqn]
-        chunk = next(c for c in meta.chunks if tuple(c.offsets) == tuple(req.storage_index.offset))
-        flat = torch.empty(info.length, dtype=torch.uint8)
-        f.seek(info.offset)
-        if info.length and _read_into(f, flat.numpy()) != info.length:
-            raise ValueError(f"{info.relative_path}: {req.storage_index.fqn} is truncated")
-        tensor = flat.view(meta.properties.dtype).view(tuple(chunk.sizes))
-        tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
-        target = planner.resolve_tensor(req).detach()
-        if target.size() != tensor.size():
-            raise ValueError(f"{req.storage_index}: stored size {tuple(tensor.size())} != target {tuple(target.size())}")
-        target.copy_(tensor)
-        planner.commit_tensor(req, target)
-
-
-def _read_into(f, buffer) -> int:
-    """Fill `buffer` from `f`; return how many bytes came (fewer only at the end of the file)."""
-    view, got = memoryview(buffer).cast("B"), 0
-    while got < len(view):
-        if hasattr(f, "readinto"):
-            n = f.readinto(view[got:])
-        else:
-            data = f.read(len(view) - got)
-            n = len(data)
-            view[got : got + n] = data
-        if not n:
-            break
-        got += n
-    return got
-
-
-class CheckpointReader(SafetensorsItems, FileSystemReader):
-    """Reads local checkpoints of either format (torch_save items exactly as the stock reader)."""
-
-
-def with_safetensors_items(reader_class: type) -> type:
-    """`reader_class` (a FileSystemReader subclass) extended to read safetensors-format items."""
-    return type(f"Safetensors{reader_class.__name__}", (SafetensorsItems, reader_class), {})

@@ -10,7 +10,6 @@ rank 0 commits. All ranks call schedule_save and finalize at the same points.
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 
 import torch

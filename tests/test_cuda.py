@@ -155,13 +155,11 @@ def test_cuda_budget_streams_a_large_gpu_tensor_and_matches_unbudgeted_files(tmp
 @pytest.mark.cuda
 @needs_cuda
 def test_cuda_safetensors_round_trip(ckpt_root):
-    from asyncckpt.formats import CheckpointReader
-
     state = cuda_state()
     expected = to_cpu(clone_state(state))
     with AsyncCheckpointer(ckpt_root, CheckpointConfig(format="safetensors", io="process")) as ckpt:
         ckpt.schedule_save(state, step=1)
         ckpt.finalize(blocking=True)
     target = zeros_like_state(expected)
-    dcp.load(target, storage_reader=CheckpointReader(step_path(ckpt_root, 1)), no_dist=True)
+    load(target, step_path(ckpt_root, 1))
     assert_state_equal(target, expected)
