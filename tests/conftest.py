@@ -7,11 +7,42 @@ import os
 import pytest
 import torch
 
+pytest_plugins = ["s3_server"]
+
+BACKENDS = ("local", "msc", "s3")
+
+
+def pytest_configure(config) -> None:
+    config.addinivalue_line(
+        "markers", "all_backends: tests taking `ckpt_root` run on a local directory, msc:// and s3:// roots"
+    )
+    config.addinivalue_line("markers", "local_only: inside an all_backends module, run on a local directory only")
+
+
+def pytest_generate_tests(metafunc) -> None:
+    """`ckpt_root` is a local directory; in modules marked all_backends it is also an msc://
+    profile and an s3:// bucket prefix on the session's local S3 server (tests marked local_only
+    stay local)."""
+    node = metafunc.definition
+    if "ckpt_backend" in metafunc.fixturenames and node.get_closest_marker("all_backends"):
+        if not node.get_closest_marker("local_only"):
+            metafunc.parametrize("ckpt_backend", BACKENDS)
+
 
 @pytest.fixture
-def ckpt_root(tmp_path) -> str:
-    """A checkpoint root that does not exist yet (the checkpointer creates it)."""
-    return os.path.join(str(tmp_path), "ckpt")
+def ckpt_backend() -> str:
+    """Where `ckpt_root` lives, unless parametrized: a local directory."""
+    return "local"
+
+
+@pytest.fixture
+def ckpt_root(request, tmp_path, ckpt_backend) -> str:
+    """A checkpoint root that does not exist yet (the checkpointer creates it); on an object
+    store, a prefix no other test uses."""
+    if ckpt_backend == "local":
+        return os.path.join(str(tmp_path), "ckpt")
+    s3 = request.getfixturevalue("s3_server")
+    return s3.url(ckpt_backend, s3.unique_prefix(request.node.name) + "/ckpt")
 
 
 def make_model_and_optimizer(seed: int = 0):

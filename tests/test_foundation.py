@@ -16,9 +16,12 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from asyncckpt import AsyncCheckpointer, CheckpointConfig, CheckpointError, load
+from asyncckpt.storage import is_remote, storage_for
 from conftest import assert_state_equal, clone_state, make_model_and_optimizer, make_state, train_step, zeros_like_state
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+pytestmark = pytest.mark.all_backends  # tests taking ckpt_root also run on msc:// and s3:// roots
 
 
 def step_path(root: str, step: int) -> str:
@@ -35,7 +38,12 @@ def test_round_trip_is_bitwise_equal_with_stock_dcp_load(ckpt_root):
     assert report.step == 7 and report.bytes > 0 and report.path == step_path(ckpt_root, 7)
 
     target = zeros_like_state(expected)
-    dcp.load(target, checkpoint_id=step_path(ckpt_root, 7), no_dist=True)
+    if is_remote(ckpt_root):  # stock dcp.load, through multi-storage-client's own DCP reader
+        from multistorageclient.contrib.torch import MultiStorageFileSystemReader
+
+        dcp.load(target, storage_reader=MultiStorageFileSystemReader(step_path(ckpt_root, 7)), no_dist=True)
+    else:
+        dcp.load(target, checkpoint_id=step_path(ckpt_root, 7), no_dist=True)
     assert_state_equal(target, expected)
 
     target = zeros_like_state(expected)
@@ -43,6 +51,7 @@ def test_round_trip_is_bitwise_equal_with_stock_dcp_load(ckpt_root):
     assert_state_equal(target, expected)
 
 
+@pytest.mark.local_only  # dcp_to_torch_save reads with the stock FileSystemReader: local paths only
 def test_dcp_to_torch_save_converts_the_checkpoint(ckpt_root, tmp_path):
     model, optimizer = make_model_and_optimizer()
     state = make_state(model, optimizer)
@@ -125,22 +134,24 @@ def test_numpy_backed_tensors_are_copied_each_save(ckpt_root):
 
 
 def test_metadata_appears_only_at_commit_and_retention_keeps_newest(ckpt_root):
+    storage = storage_for(ckpt_root)
     torn = step_path(ckpt_root, 0)  # a torn leftover from an earlier crash: never touched
-    os.makedirs(torn)
-    open(os.path.join(torn, "__0_0.distcp"), "wb").close()
+    storage.prepare_dir(torn)
+    storage.write_atomic(storage.join(torn, "__0_0.distcp"), b"")
     state = {"w": torch.arange(1000.0)}
     with AsyncCheckpointer(ckpt_root, CheckpointConfig(keep_last=2)) as ckpt:
         for step in range(1, 6):
             ckpt.schedule_save(state, step=step)
-            assert os.path.isdir(step_path(ckpt_root, step))
-            assert not os.path.exists(os.path.join(step_path(ckpt_root, step), ".metadata"))
+            # an object store has no directories: a prefix exists once a key is under it
+            assert is_remote(ckpt_root) or storage.is_dir(step_path(ckpt_root, step))
+            assert not storage.exists(storage.join(step_path(ckpt_root, step), ".metadata"))
             latest = _read_latest(ckpt_root)
-            assert latest is None or os.path.exists(os.path.join(ckpt_root, latest, ".metadata"))
+            assert latest is None or storage.exists(storage.join(ckpt_root, latest, ".metadata"))
             ckpt.finalize(blocking=True)
             assert _read_latest(ckpt_root) == f"step_{step:08d}"
-    remaining = sorted(n for n in os.listdir(ckpt_root) if n.startswith("step_"))
+    remaining = sorted(n for n in storage.list_dir(ckpt_root) if n.startswith("step_"))
     assert remaining == ["step_00000000", "step_00000004", "step_00000005"]
-    assert os.path.exists(os.path.join(torn, "__0_0.distcp"))
+    assert storage.exists(storage.join(torn, "__0_0.distcp"))
 
 
 def test_unwritable_root_fails_before_handoff(tmp_path):
@@ -171,7 +182,7 @@ def test_unserializable_entry_is_named_and_nothing_is_left(ckpt_root):
     with AsyncCheckpointer(ckpt_root) as ckpt:
         with pytest.raises(CheckpointError, match="extra.lock"):
             ckpt.schedule_save({"w": torch.ones(4), "extra": {"lock": threading.Lock()}}, step=3)
-        assert not os.path.exists(step_path(ckpt_root, 3))
+        assert not storage_for(ckpt_root).is_dir(step_path(ckpt_root, 3))
         ckpt.schedule_save({"w": torch.ones(4)}, step=4)  # the checkpointer still works
         assert [r.step for r in ckpt.finalize(blocking=True)] == [4]
 
@@ -182,7 +193,7 @@ def test_close_commits_the_in_flight_save(ckpt_root):
     pid = ckpt.worker_pid
     reports = ckpt.close()
     assert [r.step for r in reports] == [9]
-    assert os.path.exists(os.path.join(step_path(ckpt_root, 9), ".metadata"))
+    assert storage_for(ckpt_root).exists(os.path.join(step_path(ckpt_root, 9), ".metadata"))
     _wait_gone(pid, 10)
     with pytest.raises(CheckpointError, match="closed"):
         ckpt.schedule_save({"w": torch.ones(1)}, step=10)
@@ -204,7 +215,7 @@ def test_script_exiting_without_close_commits_and_leaves_no_worker(ckpt_root, tm
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert done.returncode == 0, done.stderr
     _wait_gone(int(done.stdout.split()[-1]), 10)
-    assert os.path.exists(os.path.join(step_path(ckpt_root, 5), ".metadata"))
+    assert storage_for(ckpt_root).exists(os.path.join(step_path(ckpt_root, 5), ".metadata"))
 
 
 def test_load_latest_returns_none_then_the_step(ckpt_root):
@@ -230,8 +241,9 @@ def _tensors(obj):
 
 
 def _read_latest(root: str):
-    path = os.path.join(root, "latest")
-    return open(path).read().strip() if os.path.exists(path) else None
+    storage = storage_for(root)
+    path = storage.join(root, "latest")
+    return storage.read_bytes(path).decode().strip() if storage.exists(path) else None
 
 
 def _wait_gone(pid: int, timeout_s: float) -> None:
@@ -241,3 +253,4 @@ def _wait_gone(pid: int, timeout_s: float) -> None:
             return
         time.sleep(0.1)
     raise AssertionError(f"process {pid} still running after {timeout_s}s")
+
