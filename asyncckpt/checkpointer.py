@@ -99,6 +99,7 @@ class AsyncCheckpointer:
         self._committed: list[SaveReport] = []
         self._next_save_id = 0
         self._closed = False
+        self._warned_copies = False
         _live.add(self)
         self._start_worker()  # spawn now, so the first save does not pay for the interpreter start
 
@@ -149,6 +150,7 @@ class AsyncCheckpointer:
         )
         try:
             snapshot = take_snapshot(planned)
+            self._warn_about_copies(snapshot)
             self._ensure_worker()
             request = self._request_for(snapshot, step, step_dir)
             if snapshot.has_cuda:
@@ -371,6 +373,20 @@ class AsyncCheckpointer:
             self._client.kill() if kill else self._client.stop()
         self._client = None
         self._holds = None
+
+    def _warn_about_copies(self, snapshot: Snapshot) -> None:
+        """Once: tensors that cannot be shared in place cost a copy on every save."""
+        if not snapshot.always_fresh or self._warned_copies:
+            return
+        self._warned_copies = True
+        names = [snapshot.items[p].index.fqn for p in sorted(snapshot.always_fresh)]
+        nbytes = sum(snapshot.items[p].nbytes for p in snapshot.always_fresh)
+        log.warning(
+            "%d tensors (%.1f MB, e.g. %s) are copied into shared memory on every save: their storage "
+            "was not allocated by torch or was exported to NumPy (.numpy() makes it non-resizable), so "
+            "it cannot be moved into shared memory in place",
+            len(names), nbytes / 1e6, ", ".join(repr(n) for n in names[:3]),
+        )
 
     def _check_open(self) -> None:
         if self._closed:

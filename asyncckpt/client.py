@@ -15,11 +15,12 @@ from typing import Optional
 import torch.multiprocessing as tmp
 
 from .errors import CheckpointTimeoutError, WorkerDiedError
-from .protocol import SaveRequest, Shutdown, WorkerSettings
+from .protocol import Ready, SaveRequest, Shutdown, WorkerSettings
 
 log = logging.getLogger(__name__)
 
 POLL_SLICE_S = 0.05
+STARTUP_TIMEOUT_S = 300.0  # a fresh worker imports torch (seconds; minutes on a cold network FS)
 SHUTDOWN_SEND_S = 2.0  # a Shutdown message is tiny; a worker that does not take it gets killed
 _spawn_lock = threading.Lock()
 
@@ -30,6 +31,7 @@ class WorkerClient:
         self._process = None
         self._conn = None
         self._inbox: list = []
+        self.ready = False  # the worker said Ready (its start-up is over)
         self._unfetched: set = set()  # descriptors our last request offered that the worker may not have taken
 
     # lifecycle -----------------------------------------------------------------------------
@@ -45,6 +47,7 @@ class WorkerClient:
             process.start()
         child_conn.close()  # so a dead worker shows up as EOF on our end
         self._process, self._conn, self._inbox = process, parent_conn, []
+        self.ready = False
         log.debug("started worker pid %d for rank %d", process.pid, self.settings.rank)
 
     @property
@@ -99,9 +102,11 @@ class WorkerClient:
         fresh one."""
         if not self.is_alive():
             raise self._died("before the request could be sent")
+        while not self.ready and self._receive(0):  # a worker still starting reads nothing yet
+            pass
         offered_before = _offered_fds()
         try:
-            _send_bounded(self._conn, self._process, request, timeout_s)
+            _send_bounded(self._conn, self._process, request, self._allowance(timeout_s))
         except TimeoutError:
             pid = self.pid
             self._process.kill()
@@ -120,14 +125,18 @@ class WorkerClient:
         (0: do not wait; None is not allowed: every wait is bounded). Returns None on timeout 0;
         raises CheckpointTimeoutError past a positive timeout and WorkerDiedError if the worker
         exits first."""
-        deadline = time.monotonic() + timeout_s
+        deadline = time.monotonic() + (self._allowance(timeout_s) if timeout_s else 0)
         while True:
             for i, message in enumerate(self._inbox):
                 if getattr(message, "save_id", None) == save_id and isinstance(message, kinds):
                     self._unfetched = set()  # it answered, so it unpickled the request and took them all
                     return self._inbox.pop(i)
             remaining = deadline - time.monotonic()
-            if not self._receive(min(max(remaining, 0.0), POLL_SLICE_S)):
+            was_ready = self.ready
+            got = self._receive(min(max(remaining, 0.0), POLL_SLICE_S))
+            if self.ready and not was_ready and timeout_s:
+                deadline = time.monotonic() + timeout_s  # the worker is up: the save's clock starts now
+            if not got:
                 if timeout_s == 0:
                     return None
                 if remaining <= 0:
@@ -145,10 +154,18 @@ class WorkerClient:
                 if not self._process.is_alive():
                     raise self._died("")
                 return False
-            self._inbox.append(self._conn.recv())
+            message = self._conn.recv()
+            if isinstance(message, Ready):
+                self.ready = True
+            else:
+                self._inbox.append(message)
             return True
         except (EOFError, OSError) as exc:
             raise self._died("") from exc
+
+    def _allowance(self, timeout_s: float) -> float:
+        """A wait's bound: `timeout_s`, or more while the worker has not said Ready yet."""
+        return timeout_s if self.ready else max(timeout_s, STARTUP_TIMEOUT_S)
 
     def _died(self, when: str) -> WorkerDiedError:
         process = self._process

@@ -77,6 +77,14 @@ class SaveRequest:
 
 
 @dataclass(frozen=True)
+class Ready:
+    """Worker -> trainer, once, when it can serve: bounded waits start counting from here, so a
+    slow interpreter start is not mistaken for a stuck save."""
+
+    worker_pid: int
+
+
+@dataclass(frozen=True)
 class Shutdown:
     """Trainer -> worker: finish nothing new, exit the serve loop."""
 

@@ -37,9 +37,8 @@ def config(**overrides) -> CheckpointConfig:
 
 
 def retime(ckpt: AsyncCheckpointer, timeout_s: float) -> None:
-    """Change timeout_s of a live checkpointer. Tests save once with a generous timeout first:
-    timeout_s also bounds the first save's wait for a fresh worker's start-up (a torch import,
-    several seconds on a loaded machine)."""
+    """Change timeout_s of a live checkpointer (tests tighten it once the worker is known to be
+    up; a fresh worker's start-up is bounded by client.STARTUP_TIMEOUT_S, not timeout_s)."""
     ckpt.config = replace(ckpt.config, timeout_s=timeout_s)
 
 
@@ -222,6 +221,8 @@ def test_request_larger_than_the_socket_buffer_to_a_stuck_worker_times_out(ckpt_
     state = {"many": {f"p{i}": torch.full((4,), float(i)) for i in range(4000)}}
     trainer = psutil.Process()
     with AsyncCheckpointer(ckpt_root, config(timeout_s=timeout_s)) as ckpt:
+        ckpt.schedule_save({"tiny": torch.ones(1)}, step=0)  # the worker is up (a stuck start-up
+        ckpt.finalize(blocking=True)  # is bounded by client.STARTUP_TIMEOUT_S instead)
         pid = ckpt.worker_pid
         os.kill(pid, signal.SIGSTOP)
         fds_before = trainer.num_fds()

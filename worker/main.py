@@ -17,7 +17,7 @@ import traceback
 import torch
 
 from asyncckpt.formats import use_fast_serialization
-from asyncckpt.protocol import SaveFailed, SaveRequest, Shutdown, Staged, WorkerSettings
+from asyncckpt.protocol import Ready, SaveFailed, SaveRequest, Shutdown, Staged, WorkerSettings
 
 from .cache import CacheMiss, StructureCache
 from .rounds import run_save
@@ -35,7 +35,7 @@ class ServeLoop:
         self.settings = settings
         self.cache = StructureCache()
         self.pool = StagingPool(pin_memory=settings.cuda_device is not None)
-        self.writers = Writers()
+        self.writers = Writers(nice=settings.nice)
 
     def serve(self) -> None:
         while True:
@@ -94,15 +94,20 @@ def run(conn, settings: WorkerSettings) -> None:
         level=settings.log_level, format=f"%(asctime)s asyncckpt-worker[{settings.rank}] %(levelname)s %(message)s"
     )
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle; it closes us
-    _lower_priority(settings)
+    _lower_io_priority(settings)
     _raise_open_file_limit()
     use_fast_serialization()
+    # Staging is on the trainer's critical path: one thread copies at memory speed without
+    # straggling behind a busy core, and it keeps the trainer's CPU priority (only the writers
+    # are niced, see Writers).
+    torch.set_num_threads(1)
     if settings.cuda_device is not None:
         torch.cuda.set_device(settings.cuda_device)
         torch.empty(1, device="cuda")  # create the context before any IPC handle arrives
     loop = ServeLoop(conn, settings)
     _start_parent_watchdog(settings.parent_pid, loop)
     gc.freeze()
+    conn.send(Ready(os.getpid()))
     try:
         loop.serve()
     finally:
@@ -135,12 +140,9 @@ def _raise_open_file_limit() -> None:
             log.warning("could not raise the open-file limit from %d to %d: %s", soft, hard, exc)
 
 
-def _lower_priority(settings: WorkerSettings) -> None:
-    if settings.nice:
-        try:
-            os.nice(settings.nice)
-        except OSError as exc:
-            log.warning("could not lower CPU priority: %s", exc)
+def _lower_io_priority(settings: WorkerSettings) -> None:
+    """The I/O class applies to the whole worker (threads and forked writers inherit it);
+    staging does no I/O, so it costs the trainer nothing."""
     if settings.ionice:
         try:
             import psutil

@@ -7,6 +7,7 @@ the worker (rounds.py) and appended to round after round; a failure names the fi
 from __future__ import annotations
 
 import ctypes
+import logging
 import errno
 import os
 import pickle
@@ -22,6 +23,8 @@ from asyncckpt.protocol import TENSOR, ItemSpec, ItemWritten, WriteOptions
 from asyncckpt.storage import WriteHandle
 
 from .buckets import Bucket
+
+log = logging.getLogger("asyncckpt.worker")
 
 
 class WriteError(Exception):
@@ -114,7 +117,8 @@ def describe(exc: BaseException) -> str:
 class Writers:
     """Runs the writes of one round in the configured I/O mode."""
 
-    def __init__(self) -> None:
+    def __init__(self, nice: Optional[int] = None) -> None:
+        self._nice = nice  # applied in each writer thread and child only (nice is per thread on Linux)
         self._threads: Optional[ThreadPoolExecutor] = None
         self._thread_count = 0
         self.children: set[int] = set()  # pids of live forked writers, for the watchdog
@@ -151,7 +155,9 @@ class Writers:
             self.close()
             # torch's serialization config is per thread (a ContextVar): each writer thread turns
             # torch.save's own CRC off itself, or thread and process modes would differ in bytes
-            self._threads = ThreadPoolExecutor(workers, thread_name_prefix="asyncckpt-writer", initializer=use_fast_serialization)
+            self._threads = ThreadPoolExecutor(
+                workers, thread_name_prefix="asyncckpt-writer", initializer=_prepare_writer, initargs=(self._nice,)
+            )
             self._thread_count = workers
         futures = [(file, self._threads.submit(fn, *args)) for file, fn, args in calls]
         outcomes = []
@@ -186,7 +192,7 @@ class Writers:
             try:
                 os.close(read_fd)
                 _die_with_parent()
-                use_fast_serialization()
+                _prepare_writer(self._nice)
                 try:
                     outcome = write_part(data, file, positions, commit=False)
                 except WriteError as exc:
@@ -237,6 +243,18 @@ def _exit_reason(status: int) -> str:
     if os.WIFSIGNALED(status):
         return f"killed by signal {os.WTERMSIG(status)}"
     return f"exit code {os.waitstatus_to_exitcode(status)}"
+
+
+def _prepare_writer(nice: Optional[int]) -> None:
+    """Run in every writer thread or child: torch.save's own CRC off (its setting is per
+    thread), and the configured lower CPU priority (per thread on Linux, so staging keeps the
+    trainer's)."""
+    use_fast_serialization()
+    if nice:
+        try:
+            os.nice(nice)
+        except OSError as exc:
+            log.warning("could not lower writer CPU priority by %d: %s", nice, exc)
 
 
 def _die_with_parent() -> None:
