@@ -1,23 +1,18 @@
 """Where checkpoint bytes live, behind one small interface.
 
-`LocalStorage` uses plain `os` calls with the full fsync discipline. `MscStorage` serves object
-stores (`msc://profile/...`, `s3://bucket/...`) through multi-storage-client. `storage_for(path)`
-picks the backend from the path.
+`LocalStorage` uses plain `os` calls with the full fsync discipline. `msc_storage.MscStorage`
+serves object stores (`msc://profile/...`, `s3://bucket/...`) through multi-storage-client.
+`storage_for(path)` picks the backend from the path.
 """
 
 from __future__ import annotations
 
-import contextlib
 import errno
-import math
 import os
 import shutil
-import tempfile
 import threading
-import time
-import uuid
 from abc import ABC, abstractmethod
-from typing import Any, Optional
+from typing import Optional
 
 from .errors import CheckpointError
 
@@ -208,254 +203,6 @@ def _ignore_missing(func, path, exc_info) -> None:
     raise exc
 
 
-OBJECT_STORE_SCHEMES = ("msc", "s3")
-# msc sends a file at or below the profile's multipart threshold (64 MiB by default) as one PUT of
-# the whole file read into memory; such uploads share this budget, so together they never hold
-# more than this in memory (larger files stream in multipart chunks)
-SINGLE_PUT_MEMORY_BYTES = 128 << 20
-
-
-class _MemoryBudget:
-    """Bytes that concurrent uploads may hold in memory at once; a request larger than the whole
-    budget waits until the budget is entirely free."""
-
-    def __init__(self, total: int) -> None:
-        self._total = total
-        self._free = total
-        self._cond = threading.Condition()
-
-    @contextlib.contextmanager
-    def hold(self, nbytes: int):
-        nbytes = min(nbytes, self._total)
-        with self._cond:
-            self._cond.wait_for(lambda: self._free >= nbytes)
-            self._free -= nbytes
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._free += nbytes
-                self._cond.notify_all()
-
-
-class _SpooledUpload(WriteHandle):
-    """An object-store data file: bytes go to a local temp file, uploaded whole by `commit()`.
-
-    Nothing is visible in the bucket before the upload completes, and a failed or aborted file
-    never publishes anything (an `msc.open` object would be uploaded by `close()` even after an
-    exception, and would hold the whole object in memory). The temp file is written through an
-    unbuffered OS file, so a forked writer's writes land in it too. `upload_file` streams a large
-    file in multipart chunks; a file small enough for one PUT is read whole, within the storage's
-    shared `upload_memory` budget, so memory stays bounded whatever the objects' sizes."""
-
-    def __init__(self, storage: "MscStorage", path: str) -> None:
-        self.path = path
-        self._storage = storage
-        fd, self._tmp = tempfile.mkstemp(prefix="asyncckpt-upload-", suffix=".part")
-        self._file = os.fdopen(fd, "wb", buffering=0)
-
-    def write(self, data) -> int:
-        view = memoryview(data).cast("B")
-        written = 0
-        while written < len(view):
-            written += self._file.write(view[written:])
-        return written
-
-    def commit(self) -> None:
-        try:
-            self._file.close()
-            size = os.path.getsize(self._tmp)
-
-            def upload(client, key) -> None:
-                in_memory = size if size <= _single_put_limit(client) else 0
-                with self._storage.upload_memory.hold(in_memory):
-                    client.upload_file(key, self._tmp)
-
-            self._storage._call("upload", self.path, upload)
-        finally:
-            self._discard_tmp()
-
-    def abort(self) -> None:
-        try:
-            self._file.close()
-        except OSError:
-            pass
-        self._discard_tmp()
-
-    def _discard_tmp(self) -> None:
-        try:
-            os.unlink(self._tmp)
-        except OSError:
-            pass
-
-
-class MscStorage(Storage):
-    """Object stores through multi-storage-client: `msc://profile/prefix` (a profile of the
-    MSC_CONFIG file) and `s3://bucket/prefix` (msc's implicit profile: boto3's credentials and
-    AWS_ENDPOINT_URL).
-
-    There are no directories and no rename: a "directory" is a key prefix; data files are spooled
-    to a local temp file (`$TMPDIR`) and uploaded once complete; small files (`.metadata`, the
-    sidecar, `latest`) are one PUT each, which readers see whole or not at all. Deleting a tree
-    lists and deletes every key under the prefix, dot-files included (msc's recursive delete
-    skips them on object stores). Every msc failure comes out as an OSError naming the URL."""
-
-    PROBE_TTL_S = 60.0
-
-    def __init__(self, single_put_memory_bytes: int = SINGLE_PUT_MEMORY_BYTES) -> None:
-        import multistorageclient  # noqa: F401  (fail here, with the hint from storage_for)
-
-        self.upload_memory = _MemoryBudget(single_put_memory_bytes)
-        self._proven: dict[str, float] = {}  # prefix -> when a probe write there last succeeded
-
-    def join(self, *parts: str) -> str:
-        head, *rest = parts
-        pieces = [str(head).rstrip("/")] + [str(p).strip("/") for p in rest if str(p).strip("/")]
-        return "/".join(pieces)
-
-    def prepare_dir(self, path: str) -> None:
-        """Nothing to create; prove the store takes writes there by writing and deleting a probe
-        key. A prefix under one proven in the last PROBE_TTL_S is not probed again (a save
-        prepares its root and its step prefix; a later failure still surfaces from the writes)."""
-        path = path.rstrip("/")
-        now = time.monotonic()
-        if any(now - self._proven.get(p, -math.inf) < self.PROBE_TTL_S for p in _self_and_parents(path)):
-            return
-        probe = self.join(path, f".asyncckpt-probe-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-        try:
-            self._call("write", probe, lambda client, key: client.write(key, b""))
-            self._call("delete", probe, lambda client, key: client.delete(key))
-        except OSError as exc:
-            raise CheckpointError(f"checkpoint directory {path!r} is not writable: {exc}") from exc
-        self._proven[path] = now
-
-    def create(self, path: str, fsync: bool = True) -> WriteHandle:
-        return _SpooledUpload(self, path)  # an upload is durable once it returns: fsync has no work
-
-    def write_atomic(self, path: str, data: bytes, fsync: bool = True) -> None:
-        self._call("write", path, lambda client, key: client.write(key, bytes(data)))
-
-    def read_bytes(self, path: str, offset: int = 0, length: Optional[int] = None) -> bytes:
-        from multistorageclient.types import Range
-
-        if offset == 0 and length is None:
-            return self._call("read", path, lambda client, key: client.read(key))
-        if length is None:
-            length = self.size(path) - offset
-        if length <= 0:
-            return b""
-        return self._call("read", path, lambda client, key: client.read(key, byte_range=Range(offset, length)))
-
-    def exists(self, path: str) -> bool:
-        def is_object(client, key) -> bool:
-            try:  # strict=False: one HEAD, without msc's "is it a directory then?" listing
-                return client.info(key, strict=False).type == "file"
-            except FileNotFoundError:
-                return False
-
-        return self._call("stat", path, is_object)
-
-    def is_dir(self, path: str) -> bool:
-        def has_keys(client, key) -> bool:
-            return next(iter(client.list(path=_as_prefix(key), include_directories=True)), None) is not None
-
-        return self._call("list", path, has_keys)
-
-    def list_dir(self, path: str) -> list[str]:
-        def names(client, key) -> list[str]:
-            prefix = _as_prefix(key)
-            found = set()
-            for entry in client.list(path=prefix, include_directories=True):
-                name = entry.key[len(prefix) :] if entry.key.startswith(prefix) else entry.key.rsplit("/", 1)[-1]
-                if name and "/" not in name.rstrip("/"):
-                    found.add(name.rstrip("/"))
-            return sorted(found)
-
-        return self._call("list", path, names)
-
-    def size(self, path: str) -> int:
-        return self._call("stat", path, lambda client, key: client.info(key, strict=False).content_length)
-
-    def remove_file(self, path: str) -> None:
-        def delete(client, key) -> None:
-            try:
-                client.delete(key)
-            except FileNotFoundError:
-                pass
-
-        self._call("delete", path, delete)
-
-    def remove_tree(self, path: str) -> None:
-        def delete_all(client, key) -> None:
-            keys = [entry.key for entry in client.list_recursive(path=_as_prefix(key))]
-            # a checkpoint's commit object goes first: a crash mid-delete leaves it uncommitted
-            first = [k for k in keys if k.rsplit("/", 1)[-1] == ".metadata"]
-            for batch in (first, [k for k in keys if k not in first]):
-                if batch:
-                    client.delete_many(batch)
-            if _is_posix(client):  # a POSIX profile has real directories: remove the empty ones
-                try:
-                    client.delete(key, recursive=True)
-                except FileNotFoundError:
-                    pass
-
-        self._call("delete", path, delete_all)
-
-    def sync_dir(self, path: str) -> None:
-        pass  # no directories: an object is durable once its upload returned
-
-    def _call(self, operation: str, url: str, action) -> Any:
-        """Run `action(client, key)` for `url`; any msc failure (RuntimeError, ValueError for an
-        unknown profile, botocore errors...) becomes an OSError naming the operation and URL."""
-        try:
-            client, key = _resolve(url)
-            return action(client, key)
-        except OSError as exc:
-            raise _with_context(exc, f"{operation} {url}: {exc}") from exc
-        except Exception as exc:
-            raise OSError(f"{operation} {url}: {type(exc).__name__}: {exc}") from exc
-
-
-def _with_context(exc: OSError, message: str) -> OSError:
-    """The same kind of OSError (FileNotFoundError stays one), its message naming the URL."""
-    try:
-        return type(exc)(message)
-    except Exception:
-        return OSError(message)
-
-
-def _single_put_limit(client) -> int:
-    """Largest file msc uploads as one in-memory PUT for this client's profile (0: none, as for
-    POSIX profiles, which copy files). Reads msc's provider setting; msc's default otherwise."""
-    if _is_posix(client):
-        return 0
-    limit = getattr(getattr(client, "_storage_provider", None), "_multipart_threshold", None)
-    return limit if isinstance(limit, int) else 64 << 20
-
-
-def _is_posix(client) -> bool:
-    """A `type: file` profile (a directory tree behind msc), not an object store."""
-    return type(getattr(client, "_storage_provider", None)).__name__.startswith("Posix")
-
-
-def _resolve(url: str):
-    import multistorageclient as msc
-
-    return msc.resolve_storage_client(url)
-
-
-def _self_and_parents(url: str) -> list[str]:
-    """`msc://p/a/b` -> [`msc://p/a/b`, `msc://p/a`, `msc://p`]."""
-    scheme, rest = url.split("://", 1)
-    parts = rest.split("/")
-    return [f"{scheme}://" + "/".join(parts[:n]) for n in range(len(parts), 0, -1)]
-
-
-def _as_prefix(key: str) -> str:
-    key = key.strip("/")
-    return f"{key}/" if key else ""
-
-
 def is_remote(path: str) -> bool:
     return "://" in str(path)
 
@@ -470,7 +217,7 @@ def storage_for(path: str) -> Storage:
     kind = "local"
     if is_remote(path):
         kind = str(path).split("://", 1)[0].lower()
-        if kind not in OBJECT_STORE_SCHEMES:
+        if kind not in ("msc", "s3"):
             raise CheckpointError(
                 f"{path!r}: unsupported URL scheme {kind!r}; use a local path, msc://profile/... or s3://bucket/..."
             )
@@ -488,6 +235,8 @@ def _make_backend(path: str, kind: str) -> Storage:
     if kind == "local":
         return LocalStorage()
     try:
+        from .msc_storage import MscStorage
+
         return MscStorage()
     except ImportError as exc:
         raise CheckpointError(

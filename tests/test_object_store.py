@@ -20,7 +20,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from asyncckpt import AsyncCheckpointer, CheckpointConfig, CheckpointError, load
-from asyncckpt.storage import MscStorage, storage_for
+from asyncckpt.msc_storage import MscStorage
+from asyncckpt.storage import storage_for
 from conftest import assert_state_equal, clone_state, make_model_and_optimizer, make_state, zeros_like_state
 from s3_server import BUCKET, PROFILE, write_msc_config
 
@@ -360,7 +361,7 @@ def _measure_save(root: str, state: dict, config: CheckpointConfig):
 def test_worker_memory_while_uploading_stays_near_the_staging_pool(s3, tmp_path):
     """The staging pool holds the state once; uploads add bounded buffers on top: multipart
     chunks for large files, and at most SINGLE_PUT_MEMORY_BYTES for files msc sends in one PUT."""
-    from asyncckpt.storage import SINGLE_PUT_MEMORY_BYTES
+    from asyncckpt.msc_storage import SINGLE_PUT_MEMORY_BYTES
 
     config = CheckpointConfig(io_workers=4, checksums=False, timeout_s=300)
     cases = [  # (label, tensor bytes, count, roots)
