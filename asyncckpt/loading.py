@@ -11,6 +11,7 @@ import io
 import logging
 import os
 import re
+import warnings
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -110,13 +111,15 @@ def load(
             raise CheckpointError(f"{path!r} failed verification: " + "; ".join(problems[:5]))
     use_dist = dist.is_available() and dist.is_initialized()
     try:
-        dcp.load(
-            state_dict,
-            storage_reader=reader,
-            planner=SafeLoadPlanner(trusted),
-            process_group=process_group,
-            no_dist=not use_dist,
-        )
+        with warnings.catch_warnings():  # one process is what we mean: DCP's warning says nothing
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+            dcp.load(
+                state_dict,
+                storage_reader=reader,
+                planner=SafeLoadPlanner(trusted),
+                process_group=process_group,
+                no_dist=not use_dist,
+            )
     except BaseException as exc:  # DCP's CheckpointException is a BaseException
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             raise
