@@ -158,11 +158,11 @@ class AsyncCheckpointer:
             self._client.send(request, self.config.timeout_s)
             flight.save_id, flight.tensors_sent = request.save_id, len(request.fresh_tensors)
             self._holds = _WorkerHolds(snapshot.structure_key, snapshot.fingerprints, snapshot.tensors)
-        except CheckpointError as exc:
+        except Exception as exc:  # e.g. an entry that cannot be resolved or shared
             if self._group.size == 1:
                 discard_uncommitted(self._storage, step_dir)
                 raise
-            flight.error = str(exc)  # raised on every rank by the next finalize
+            flight.error = f"{type(exc).__name__}: {exc}"  # raised on every rank by the next finalize
         self._in_flight = flight
         if self.config.staging == "eager":
             self.wait_staged()

@@ -13,7 +13,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from asyncckpt import AsyncCheckpointer, CheckpointConfig, load
-from conftest import assert_state_equal, clone_state, zeros_like_state
+from conftest import assert_state_equal, clone_state, owned_memory_bytes, zeros_like_state
 
 MiB = 1 << 20
 STATE_BYTES = 32 * MiB
@@ -47,8 +47,8 @@ def big_state() -> dict:
 
 
 class UssSampler:
-    """Peak unique memory (USS: private pages, not the shared-memory sources) of a process and
-    its children, sampled from a thread."""
+    """Peak memory a process and its children own (private pages plus the worker's own shared
+    staging slab; not the trainer's shared-memory sources), sampled from a thread."""
 
     def __init__(self, pid: int) -> None:
         self.process = psutil.Process(pid)
@@ -57,11 +57,11 @@ class UssSampler:
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def uss(self) -> int:
-        total = self.process.memory_full_info().uss
+        total = owned_memory_bytes(self.process.pid)
         for child in self.process.children():
             try:
-                total += child.memory_full_info().uss
-            except psutil.Error:
+                total += child.memory_full_info().uss  # a forked writer shares the slab: not counted twice
+            except (psutil.Error, OSError):
                 pass
         return total
 

@@ -22,7 +22,7 @@ import torch.distributed.checkpoint as dcp
 from asyncckpt import AsyncCheckpointer, CheckpointConfig, CheckpointError, load
 from asyncckpt.msc_storage import MscStorage
 from asyncckpt.storage import storage_for
-from conftest import assert_state_equal, clone_state, make_model_and_optimizer, make_state, zeros_like_state
+from conftest import assert_state_equal, clone_state, make_model_and_optimizer, make_state, owned_memory_bytes, zeros_like_state
 from s3_server import BUCKET, PROFILE, write_msc_config
 
 MiB = 1 << 20
@@ -310,9 +310,9 @@ def test_checkpoints_load_with_msc_reader_stock_dcp_and_load_latest(s3):
 
 # memory while uploading --------------------------------------------------------------------------------
 class _PeakSampler:
-    """Samples a process's memory every few ms: peak RSS and peak private (anonymous) memory.
-    Private memory is RSS minus file-backed and shared pages: the trainer's tensors, which the
-    worker reads through shared memory, are not the worker's own."""
+    """Samples a process's memory every few ms: peak RSS and peak owned memory (private pages
+    plus the worker's own shared staging slab): the trainer's tensors, which the worker reads
+    through shared memory, are not the worker's own."""
 
     def __init__(self, pid: int, interval_s: float = 0.01) -> None:
         self._process = psutil.Process(pid)
@@ -330,8 +330,7 @@ class _PeakSampler:
         self._thread.join()
 
     def sample(self) -> tuple[int, int]:
-        info = self._process.memory_info()
-        return info.rss, info.rss - info.shared
+        return self._process.memory_info().rss, owned_memory_bytes(self._process.pid)
 
     def _run(self) -> None:
         while not self._stop.is_set():

@@ -9,6 +9,7 @@ larger than the budget passes through it in pieces (`pieces`).
 
 from __future__ import annotations
 
+import mmap
 from typing import Iterator, Optional, Sequence
 
 import torch
@@ -60,7 +61,15 @@ class StagingPool:
         if self._slab is not None and self._slab.numel() >= nbytes:
             return
         self._slab = None  # drop the old slab before allocating the new one
-        self._slab = torch.empty(max(nbytes, ALIGNMENT), dtype=torch.uint8, pin_memory=self._pin)
+        size = max(nbytes, ALIGNMENT)
+        if self._pin:
+            self._slab = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+        else:
+            # An anonymous MAP_SHARED mapping, not private memory: forking writer children
+            # (io="process") would otherwise write-protect every slab page, and the next save's
+            # copy would take a page fault per 4 KiB (measured: 0.26 s instead of 0.08 s per GiB).
+            # It is not in /dev/shm, so it does not count against that mount's size.
+            self._slab = torch.frombuffer(mmap.mmap(-1, size), dtype=torch.uint8)
         self.generation += 1
 
     def copy_in(self, sources: Sequence[Optional[torch.Tensor]], views: Sequence[Optional[torch.Tensor]]) -> int:
