@@ -27,8 +27,10 @@ class CheckpointConfig:
     fsync: fsync every data file, the metadata and the directories.
     checksums: record a CRC32 per item, checked by `load(..., verify=True)` and `verify`.
     keep_last: keep this many newest committed checkpoints (None keeps all).
-    timeout_s: bound on waiting for staging and, separately, for the writes of one save.
-    worker_nice: nice increment for the worker (None leaves it as the trainer's).
+    timeout_s: bound on waiting for staging and, separately, for the writes of one save (a fresh
+        worker's start-up, a torch import, is bounded separately by 300 s).
+    worker_nice: nice increment for the worker's writer threads/processes (None: the trainer's);
+        staging, which the trainer waits for, always keeps the trainer's priority.
     worker_ionice: "best-effort" (lowest level, the default) or "idle" I/O class for the worker,
         where the OS allows; "idle" can starve checkpoint writes on a disk the trainer keeps busy.
     separation_hint: item names starting with this prefix go into files of their own.
