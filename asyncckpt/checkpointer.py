@@ -18,7 +18,6 @@ from typing import Any, Callable, Optional
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.stateful import Stateful
 
 from .client import WorkerClient
 from .commit import RankOutcome, SaveTarget, discard_uncommitted, finish_save, uncommit
@@ -29,7 +28,7 @@ from .planning import Planning
 from .ranks import RankGroup
 from .report import SaveReport, publish
 from .protocol import SaveFailed, SaveRequest, Staged, WorkerSettings, WriteDone, WriteOptions
-from .snapshot import Snapshot, take_snapshot
+from .snapshot import Snapshot, copies_warning, take_snapshot
 from .storage import is_remote, storage_for
 
 log = logging.getLogger("asyncckpt")
@@ -130,7 +129,7 @@ class AsyncCheckpointer:
                 raise CheckpointError(f"{step_dir!r} is a symlink; refusing to write a checkpoint through it")
             overwrite = self._group.is_coordinator and self._storage.exists(self._storage.join(step_dir, METADATA_FILE))
             self._storage.prepare_dir(step_dir)
-            local = self._planning.local(_plain_state(state_dict), self._group.is_coordinator)
+            local = self._planning.local(state_dict, self._group.is_coordinator)
         except (CheckpointError, ValueError, TypeError) as exc:
             problem = exc
         changed, overwrite_any, failed = self._group.agree(
@@ -376,26 +375,14 @@ class AsyncCheckpointer:
 
     def _warn_about_copies(self, snapshot: Snapshot) -> None:
         """Once: tensors that cannot be shared in place cost a copy on every save."""
-        if not snapshot.always_fresh or self._warned_copies:
-            return
-        self._warned_copies = True
-        names = [snapshot.items[p].index.fqn for p in sorted(snapshot.always_fresh)]
-        nbytes = sum(snapshot.items[p].nbytes for p in snapshot.always_fresh)
-        log.warning(
-            "%d tensors (%.1f MB, e.g. %s) are copied into shared memory on every save: their storage "
-            "was not allocated by torch or was exported to NumPy (.numpy() makes it non-resizable), so "
-            "it cannot be moved into shared memory in place",
-            len(names), nbytes / 1e6, ", ".join(repr(n) for n in names[:3]),
-        )
+        message = copies_warning(snapshot)
+        if message and not self._warned_copies:
+            self._warned_copies = True
+            log.warning(message)
 
     def _check_open(self) -> None:
         if self._closed:
             raise CheckpointError("this AsyncCheckpointer is closed")
-
-
-def _plain_state(state_dict: dict[str, Any]) -> dict[str, Any]:
-    """Replace Stateful values (model/optimizer wrappers) by their state dicts, as DCP does."""
-    return {k: (v.state_dict() if isinstance(v, Stateful) else v) for k, v in state_dict.items()}
 
 
 @atexit.register

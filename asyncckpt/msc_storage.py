@@ -9,6 +9,7 @@ deletes every key, dot-files included (msc's recursive delete skips them).
 from __future__ import annotations
 
 import contextlib
+import importlib
 import math
 import os
 import tempfile
@@ -115,7 +116,7 @@ class MscStorage(Storage):
     PROBE_TTL_S = 60.0
 
     def __init__(self, single_put_memory_bytes: int = SINGLE_PUT_MEMORY_BYTES) -> None:
-        import multistorageclient  # noqa: F401  (fail here, with the hint from storage_for)
+        importlib.import_module("multistorageclient")  # fail here, with the hint from storage_for
 
         self.upload_memory = _MemoryBudget(single_put_memory_bytes)
         self._proven: dict[str, float] = {}  # prefix -> when a probe write there last succeeded

@@ -15,6 +15,7 @@ from typing import Any, Callable, Optional
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.stateful import Stateful
 
 from .errors import CheckpointError
 from .ranks import RankGroup
@@ -83,7 +84,7 @@ class Planning:
 
     def local(self, state_dict: dict[str, Any], is_coordinator: bool) -> LocalPlan:
         planner = self.planner_factory()
-        planner.set_up_planner(state_dict, storage_meta=None, is_coordinator=is_coordinator)
+        planner.set_up_planner(_plain_state(state_dict), storage_meta=None, is_coordinator=is_coordinator)
         plan = planner.create_local_plan()
         return LocalPlan(planner, plan, plan_signature(plan))
 
@@ -120,6 +121,11 @@ class Planning:
 
     def forget(self) -> None:
         self._signature = self._final_plan = self._metadata = None
+
+
+def _plain_state(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """Replace Stateful values (model/optimizer wrappers) by their state dicts, as DCP does."""
+    return {k: (v.state_dict() if isinstance(v, Stateful) else v) for k, v in state_dict.items()}
 
 
 def is_tensor_item(item) -> bool:

@@ -234,3 +234,16 @@ def _fingerprint(tensor: torch.Tensor) -> Fingerprint:
         tensor.dtype,
         tensor.device,
     )
+
+
+def copies_warning(snapshot: Snapshot) -> Optional[str]:
+    """What to tell the user when some tensors are copied into shared memory on every save."""
+    if not snapshot.always_fresh:
+        return None
+    names = [snapshot.items[p].index.fqn for p in sorted(snapshot.always_fresh)]
+    nbytes = sum(snapshot.items[p].nbytes for p in snapshot.always_fresh)
+    return (
+        f"{len(names)} tensors ({nbytes / 1e6:.1f} MB, e.g. {', '.join(repr(n) for n in names[:3])}) are copied "
+        "into shared memory on every save: their storage was not allocated by torch or was exported to "
+        "NumPy (.numpy() makes it non-resizable), so it cannot be moved into shared memory in place"
+    )

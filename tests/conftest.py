@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import time
 
+import psutil
 import pytest
 import torch
 
@@ -127,3 +129,16 @@ def owned_memory_bytes(pid: int) -> int:
             elif key in ("Private_Clean", "Private_Dirty") or (owned_shared and key in ("Shared_Clean", "Shared_Dirty")):
                 total += int(rest.split()[0]) * 1024
     return total
+
+
+def wait_gone(pid: int, timeout_s: float) -> float:
+    """Seconds until `pid` is gone (a zombie counts as gone); fails past `timeout_s`."""
+    started = time.monotonic()
+    while time.monotonic() - started < timeout_s:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return time.monotonic() - started
+        except psutil.NoSuchProcess:
+            return time.monotonic() - started
+        time.sleep(0.02)
+    raise AssertionError(f"process {pid} still running {timeout_s}s after it should have gone")

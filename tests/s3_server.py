@@ -10,6 +10,7 @@ own memory (large ones spill to temp files): keep each test's objects to ~100 Mi
 
 from __future__ import annotations
 
+import importlib
 import os
 import re
 import shutil
@@ -202,8 +203,8 @@ def session_env(config_path: str, endpoint: str) -> dict[str, str]:
 def s3_server():
     """The session's moto_server, bucket and MSC_CONFIG (environment set for the session)."""
     try:
-        import boto3  # noqa: F401
-        import multistorageclient  # noqa: F401
+        importlib.import_module("boto3")
+        importlib.import_module("multistorageclient")
     except ImportError as exc:
         pytest.skip(f"object-store tests need multi-storage-client[boto3] and boto3: {exc}")
     workdir = tempfile.mkdtemp(prefix="asyncckpt-s3-")

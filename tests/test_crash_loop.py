@@ -26,6 +26,7 @@ import torch
 import asyncckpt
 from asyncckpt import AsyncCheckpointer, CheckpointConfig
 from asyncckpt.loading import list_checkpoints, read_latest_marker
+from conftest import wait_gone
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ITERATIONS = 20
@@ -106,18 +107,6 @@ def read_line(stream, timeout_s: float) -> list[str]:
     ready, _, _ = select.select([stream], [], [], timeout_s)
     assert ready, f"no line from the zygote within {timeout_s}s"
     return stream.readline().split()
-
-
-def wait_gone(pid: int, timeout_s: float) -> float:
-    started = time.monotonic()
-    while time.monotonic() - started < timeout_s:
-        try:
-            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
-                return time.monotonic() - started
-        except psutil.NoSuchProcess:
-            return time.monotonic() - started
-        time.sleep(0.02)
-    raise AssertionError(f"process {pid} still running {timeout_s}s after its trainer was killed")
 
 
 def zeros_like(state: dict) -> dict:

@@ -7,7 +7,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 
 import psutil
 import pytest
@@ -17,7 +16,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from asyncckpt import AsyncCheckpointer, CheckpointConfig, CheckpointError, load
 from asyncckpt.storage import is_remote, storage_for
-from conftest import assert_state_equal, clone_state, make_model_and_optimizer, make_state, train_step, zeros_like_state
+from conftest import assert_state_equal, clone_state, make_model_and_optimizer, make_state, train_step, wait_gone, zeros_like_state
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -194,7 +193,7 @@ def test_close_commits_the_in_flight_save(ckpt_root):
     reports = ckpt.close()
     assert [r.step for r in reports] == [9]
     assert storage_for(ckpt_root).exists(os.path.join(step_path(ckpt_root, 9), ".metadata"))
-    _wait_gone(pid, 10)
+    wait_gone(pid, 10)
     with pytest.raises(CheckpointError, match="closed"):
         ckpt.schedule_save({"w": torch.ones(1)}, step=10)
 
@@ -214,7 +213,7 @@ def test_script_exiting_without_close_commits_and_leaves_no_worker(ckpt_root, tm
     )
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert done.returncode == 0, done.stderr
-    _wait_gone(int(done.stdout.split()[-1]), 10)
+    wait_gone(int(done.stdout.split()[-1]), 10)
     assert storage_for(ckpt_root).exists(os.path.join(step_path(ckpt_root, 5), ".metadata"))
 
 
@@ -245,12 +244,4 @@ def _read_latest(root: str):
     path = storage.join(root, "latest")
     return storage.read_bytes(path).decode().strip() if storage.exists(path) else None
 
-
-def _wait_gone(pid: int, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"process {pid} still running after {timeout_s}s")
 

@@ -21,7 +21,7 @@ from asyncckpt import AsyncCheckpointer, CheckpointConfig, CheckpointError, Chec
 from asyncckpt import snapshot as snapshot_module
 from asyncckpt.loading import read_latest_marker
 from asyncckpt.snapshot import SHM_DIR, check_shm_space, ensure_fd_room, shm_bytes_needed
-from conftest import assert_state_equal, clone_state, zeros_like_state
+from conftest import assert_state_equal, clone_state, wait_gone, zeros_like_state
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MiB = 1 << 20
@@ -61,19 +61,6 @@ def assert_loads(root: str, step: int, expected: dict) -> None:
     target = zeros_like_state(expected)
     load(target, step_path(root, step))
     assert_state_equal(target, expected)
-
-
-def wait_gone(pid: int, timeout_s: float) -> float:
-    """Seconds until `pid` is gone (a zombie counts as gone); fails past `timeout_s`."""
-    started = time.monotonic()
-    while time.monotonic() - started < timeout_s:
-        try:
-            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
-                return time.monotonic() - started
-        except psutil.NoSuchProcess:
-            return time.monotonic() - started
-        time.sleep(0.05)
-    raise AssertionError(f"process {pid} still running {timeout_s}s after it should have gone")
 
 
 def committed_steps(root: str) -> list[int]:
