@@ -124,7 +124,6 @@ class AsyncCheckpointer:
         step_dir = self._storage.join(self.root, name)
         local, problem, overwrite = None, None, False
         try:
-            self._storage.prepare_dir(self.root)
             if not is_remote(step_dir) and os.path.islink(step_dir):
                 raise CheckpointError(f"{step_dir!r} is a symlink; refusing to write a checkpoint through it")
             overwrite = self._group.is_coordinator and self._storage.exists(self._storage.join(step_dir, METADATA_FILE))

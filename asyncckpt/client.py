@@ -13,6 +13,7 @@ import time
 from typing import Optional
 
 import torch.multiprocessing as tmp
+from multiprocessing.reduction import ForkingPickler
 
 from .errors import CheckpointTimeoutError, WorkerDiedError
 from .protocol import Ready, SaveRequest, Shutdown, WorkerSettings
@@ -20,6 +21,7 @@ from .protocol import Ready, SaveRequest, Shutdown, WorkerSettings
 log = logging.getLogger(__name__)
 
 POLL_SLICE_S = 0.05
+DIRECT_SEND_BYTES = 64 << 10  # well under a Unix socket's send buffer (about 200 KiB on Linux)
 STARTUP_TIMEOUT_S = 300.0  # a fresh worker imports torch (seconds; minutes on a cold network FS)
 SHUTDOWN_SEND_S = 2.0  # a Shutdown message is tiny; a worker that does not take it gets killed
 _spawn_lock = threading.Lock()
@@ -221,15 +223,20 @@ def _exiting(pid: int) -> bool:
 
 
 def _send_bounded(conn, process, message, timeout_s: float) -> None:
-    """`conn.send(message)` on a helper thread, waited for at most `timeout_s` and only while
-    `process` lives. Raises TimeoutError past the timeout, BrokenPipeError if the worker died
-    first, or whatever the send itself raised. A send still blocked is left to fail on its own
-    once the worker is gone (its end of the socket closes)."""
+    """`conn.send(message)`, bounded: a payload that fits in the socket buffer is written at
+    once (a steady-state request, a few KB); a larger one is written on a helper thread, waited
+    for at most `timeout_s` and only while `process` lives. Raises TimeoutError past the timeout,
+    BrokenPipeError if the worker died first, or whatever the send itself raised. A send still
+    blocked is left to fail on its own once the worker is gone (its end of the socket closes)."""
+    payload = ForkingPickler.dumps(message)  # what Connection.send does; torch shares storages here
+    if len(payload) <= DIRECT_SEND_BYTES:
+        conn.send_bytes(payload)
+        return
     failure: list[BaseException] = []
 
     def deliver() -> None:
         try:
-            conn.send(message)
+            conn.send_bytes(payload)
         except BaseException as exc:  # handed to the caller below
             failure.append(exc)
 
