@@ -126,9 +126,11 @@ class AsyncCheckpointer:
         try:
             if not is_remote(step_dir) and os.path.islink(step_dir):
                 raise CheckpointError(f"{step_dir!r} is a symlink; refusing to write a checkpoint through it")
+            self._storage.prepare_dir(step_dir)  # proves the target writable before anything else
             overwrite = self._group.is_coordinator and self._storage.exists(self._storage.join(step_dir, METADATA_FILE))
-            self._storage.prepare_dir(step_dir)
             local = self._planning.local(state_dict, self._group.is_coordinator)
+        except OSError as exc:
+            problem = CheckpointError(f"checkpoint directory {step_dir!r} is not usable: {exc}")
         except (CheckpointError, ValueError, TypeError) as exc:
             problem = exc
         changed, overwrite_any, failed = self._group.agree(

@@ -92,7 +92,10 @@ class _LocalFile(WriteHandle):
     def __init__(self, path: str, fsync: bool) -> None:
         self.path = path
         self._fsync = fsync
-        self._file = open(path, "wb", buffering=0)
+        # O_NOFOLLOW: a symlink planted in a (torn) step directory must not make a save write
+        # through it into a file elsewhere; opening it fails with ELOOP instead.
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+        self._file = open(fd, "wb", buffering=0)
 
     def write(self, data) -> int:
         view = memoryview(data).cast("B")
