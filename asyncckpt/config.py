@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 _CHOICES = {
@@ -76,10 +76,6 @@ class CheckpointConfig:
             raise ValueError(f"CheckpointConfig.separation_hint={self.separation_hint!r} must be a non-empty string")
         if self.on_commit is not None and not callable(self.on_commit):
             raise ValueError("CheckpointConfig.on_commit must be callable")
-
-    @classmethod
-    def field_names(cls) -> tuple[str, ...]:
-        return tuple(f.name for f in fields(cls))
 
 
 def _require_int(config: CheckpointConfig, name: str, minimum: int) -> None:

@@ -119,9 +119,6 @@ class Planning:
         self._key = structure_key(final)
         return PlannedSave(local.planner, final, metadata, self._key, False)
 
-    def forget(self) -> None:
-        self._signature = self._final_plan = self._metadata = None
-
 
 def _plain_state(state_dict: dict[str, Any]) -> dict[str, Any]:
     """Replace Stateful values (model/optimizer wrappers) by their state dicts, as DCP does."""
