@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import time
 
 import torch.distributed as dist
@@ -17,12 +18,22 @@ def free_port() -> int:
 
 
 def _entry(rank: int, fn, world_size: int, port: int, args: tuple) -> None:
+    """Run fn on this rank; on success leave with os._exit(0) once gloo is torn down.
+
+    Why not a normal exit: in torch 2.13 a gloo worker thread can still be releasing a finished
+    collective's tensors while the interpreter finalizes; taking the GIL then kills that thread
+    inside a noexcept destructor and the rank dies of SIGABRT after its work passed. The result
+    is decided by then (a failure raises above and is reported by torch.multiprocessing)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
         fn(rank, world_size, *args)
+        dist.barrier()  # no rank tears gloo down while another is still using it
     finally:
         dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_ranks(fn, world_size: int, *args, timeout_s: float = 120.0) -> None:
