@@ -2,8 +2,10 @@
 
 Uses DCP's own `DefaultSavePlanner` (or the caller's planner class), so deduplication of
 replicated tensors, DTensor/ShardedTensor chunks, flattening and the global `Metadata` are
-exactly DCP's. The local plan is built every save (it is cheap and needs the new state dict);
-only when some rank's local plan changed are plans gathered and the global plan rebuilt.
+exactly DCP's. Every save sets the planner up on the new state dict (that is how objects get their new values);
+the local plan is rebuilt only when the flattened state's layout changed (the common steady
+state reuses it), and only when some rank's local plan changed are plans gathered and the
+global plan rebuilt.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
@@ -47,6 +50,7 @@ class PlanningCounters:
     plans_built: int = 0
     plans_reused: int = 0
     plan_gathers: int = 0
+    local_plans_reused: int = 0
 
 
 def plan_signature(plan: SavePlan) -> tuple:
@@ -61,7 +65,7 @@ def plan_signature(plan: SavePlan) -> tuple:
                 item.type.value,
                 None
                 if td is None
-                else (tuple(td.chunk.offsets), tuple(td.chunk.sizes), str(td.properties.dtype), tuple(td.size)),
+                else (tuple(td.chunk.offsets), tuple(td.chunk.sizes), td.properties, tuple(td.size)),
             )
         )
     return tuple(rows)
@@ -81,12 +85,20 @@ class Planning:
     _final_plan: Optional[SavePlan] = None
     _metadata: Optional[Metadata] = None
     _key: str = ""
+    _layout: Optional[tuple] = None  # of the last state whose local plan was built
+    _local_plan: Optional[SavePlan] = None
+    _local_signature: Optional[tuple] = None
 
     def local(self, state_dict: dict[str, Any], is_coordinator: bool) -> LocalPlan:
         planner = self.planner_factory()
         planner.set_up_planner(_plain_state(state_dict), storage_meta=None, is_coordinator=is_coordinator)
+        layout = flat_layout(planner)
+        if layout is not None and layout == self._layout:
+            self.counters.local_plans_reused += 1
+            return LocalPlan(planner, self._local_plan, self._local_signature)
         plan = planner.create_local_plan()
-        return LocalPlan(planner, plan, plan_signature(plan))
+        self._layout, self._local_plan, self._local_signature = layout, plan, plan_signature(plan)
+        return LocalPlan(planner, plan, self._local_signature)
 
     def changed(self, local: LocalPlan) -> bool:
         return local.signature != self._signature
@@ -118,6 +130,27 @@ class Planning:
         self._signature, self._final_plan, self._metadata = local.signature, final, metadata
         self._key = structure_key(final)
         return PlannedSave(local.planner, final, metadata, self._key, False)
+
+
+def flat_layout(planner: SavePlanner) -> Optional[tuple]:
+    """Everything DCP's default local plan is made from, read off the planner's flattened state:
+    each entry's name and nesting path, and for a plain tensor the properties its write item
+    records. Equal layouts give equal local plans, so the plan is reused. None (always plan)
+    for other planners and for DTensors and other objects that make their own write items."""
+    if type(planner) is not DefaultSavePlanner:
+        return None
+    flat, mappings = getattr(planner, "state_dict", None), getattr(planner, "mappings", None)
+    if not isinstance(flat, dict):
+        return None
+    rows = []
+    for fqn, value in flat.items():
+        if type(value) in (torch.Tensor, torch.nn.Parameter):
+            rows.append((fqn, value.dtype, value.shape, value.layout, value.requires_grad, value.is_pinned(), value.device))
+        elif isinstance(value, torch.Tensor) or hasattr(value, "__create_write_items__"):
+            return None
+        else:
+            rows.append((fqn, type(value)))
+    return tuple(rows), tuple(mappings.items()) if isinstance(mappings, dict) else None
 
 
 def _plain_state(state_dict: dict[str, Any]) -> dict[str, Any]:

@@ -56,8 +56,9 @@ def take_snapshot(planned: PlannedSave) -> Snapshot:
             if tuple(tensor.shape) != expected:
                 raise CheckpointError(f"state entry {fqn!r}: resolved shape {tuple(tensor.shape)} != planned {expected}")
             resolved[pos] = (tensor, fresh)
-    check_shm_space(shm_bytes_needed(resolved.values()))  # a full /dev/shm is a SIGBUS, not an error
-    ensure_fd_room(storages_to_share(resolved.values()))  # each shared storage holds a descriptor
+    sharing = shared_memory_needed(resolved.values())
+    check_shm_space(sharing.nbytes)  # a full /dev/shm is a SIGBUS, not an error
+    ensure_fd_room(sharing.segments)  # each shared storage holds a descriptor
     for pos, item in enumerate(planned.plan.items):
         if not is_tensor_item(item):
             objects[pos] = _pickled_object(planned, item)
@@ -111,35 +112,35 @@ def _reachable_tensor(tensor, fqn: str) -> tuple[torch.Tensor, bool]:
     return tensor, fresh
 
 
-def _moves_in_place(tensor: torch.Tensor, fresh: bool) -> bool:
-    return not fresh and tensor.untyped_storage().resizable()
+@dataclass
+class SharingNeeds:
+    """What moving a save's tensors into shared memory creates: page-rounded bytes of /dev/shm
+    and new segments (each holds a file descriptor)."""
+
+    nbytes: int = 0
+    segments: int = 0
 
 
-def _to_share(resolved):
-    """Bytes of each shared-memory segment that sharing these (tensor, fresh) pairs creates: a
-    whole storage for each one moved in place (once however many views it has), else a copy."""
-    seen = set()
+def shared_memory_needed(resolved) -> SharingNeeds:
+    """Count the segments sharing these (tensor, fresh) pairs creates: a whole storage for each
+    one moved in place (once however many views it has), else a copy of the tensor's bytes."""
+    needs, seen = SharingNeeds(), set()
     for tensor, fresh in resolved:
-        if tensor.is_cuda or tensor.is_shared():
+        if tensor.is_cuda:
             continue
-        if _moves_in_place(tensor, fresh):
-            storage = tensor.untyped_storage()
+        storage = tensor.untyped_storage()
+        if storage.is_shared():
+            continue
+        if not fresh and storage.resizable():  # moved in place
             if storage.data_ptr() in seen:
                 continue
             seen.add(storage.data_ptr())
-            yield storage.nbytes()
+            nbytes = storage.nbytes()
         else:
-            yield tensor.numel() * tensor.element_size()
-
-
-def shm_bytes_needed(resolved) -> int:
-    """Bytes of /dev/shm that sharing these (tensor, fresh) pairs will take, page-rounded."""
-    return sum(-(-nbytes // _PAGE) * _PAGE for nbytes in _to_share(resolved))
-
-
-def storages_to_share(resolved) -> int:
-    """How many new shared-memory segments sharing these (tensor, fresh) pairs creates."""
-    return sum(1 for _ in _to_share(resolved))
+            nbytes = tensor.numel() * tensor.element_size()
+        needs.nbytes += -(-nbytes // _PAGE) * _PAGE
+        needs.segments += 1
+    return needs
 
 
 def ensure_fd_room(new_segments: int, open_fds: Optional[int] = None, limits: Optional[tuple] = None) -> None:
@@ -209,9 +210,9 @@ def check_shm_space(needed: int, free: Optional[int] = None, path: str = SHM_DIR
 
 def _shareable_tensor(tensor: torch.Tensor, fresh: bool, fqn: str) -> tuple[torch.Tensor, bool]:
     """Return (tensor the worker can reach, whether it is a fresh copy made for this save)."""
-    if tensor.is_cuda or tensor.is_shared():
+    if tensor.is_cuda or tensor.untyped_storage().is_shared():
         return tensor, fresh
-    if _moves_in_place(tensor, fresh):
+    if not fresh and tensor.untyped_storage().resizable():
         try:
             tensor.share_memory_()
             return tensor, False

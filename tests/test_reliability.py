@@ -20,7 +20,7 @@ import torch
 from asyncckpt import AsyncCheckpointer, CheckpointConfig, CheckpointError, CheckpointTimeoutError, load
 from asyncckpt import snapshot as snapshot_module
 from asyncckpt.loading import read_latest_marker
-from asyncckpt.snapshot import SHM_DIR, check_shm_space, ensure_fd_room, shm_bytes_needed
+from asyncckpt.snapshot import SHM_DIR, SharingNeeds, check_shm_space, ensure_fd_room, shared_memory_needed
 from conftest import assert_state_equal, clone_state, wait_gone, zeros_like_state
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -395,15 +395,16 @@ def test_shm_check_decides_on_needed_versus_free_bytes():
         check_shm_space(20 * MiB, free=20 * MiB)
 
 
-def test_shm_bytes_needed_counts_storages_once_and_skips_shared_tensors():
+def test_shared_memory_needed_counts_storages_once_and_skips_shared_tensors():
     base = torch.zeros(1000, dtype=torch.float32)  # 4000 bytes -> one page
     views = [(base[:10], False), (base[500:], False)]  # two views, one storage, moved in place
-    assert shm_bytes_needed(views) == 4096
+    assert shared_memory_needed(views) == SharingNeeds(nbytes=4096, segments=1)
     big = torch.zeros(3 * MiB, dtype=torch.uint8)
-    assert shm_bytes_needed([(big, False)]) == 3 * MiB
-    assert shm_bytes_needed([(big[:10], True)]) == 4096  # a fresh copy is just the view's bytes
+    assert shared_memory_needed([(big, False)]) == SharingNeeds(3 * MiB, 1)
+    assert shared_memory_needed([(big[:10], True)]) == SharingNeeds(4096, 1)  # a fresh copy: the view's bytes
+    assert shared_memory_needed([(big[:10], True), (big[10:20], True)]) == SharingNeeds(8192, 2)  # a copy each
     shared = torch.zeros(MiB, dtype=torch.uint8).share_memory_()
-    assert shm_bytes_needed([(shared, False)]) == 0
+    assert shared_memory_needed([(shared, False)]) == SharingNeeds(0, 0)
 
 
 def test_schedule_save_refuses_to_overfill_shm_and_moves_nothing(ckpt_root, monkeypatch):
