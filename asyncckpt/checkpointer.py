@@ -88,7 +88,7 @@ class AsyncCheckpointer:
             raise TypeError(f"config must be a CheckpointConfig, not {type(config).__name__}")
         self.root = os.fspath(root)
         self.config = config
-        self._group = RankGroup(process_group)
+        self._group = RankGroup(process_group, config.timeout_s)
         self.rank = self._group.rank
         self._storage = storage_for(self.root)
         self._planning = Planning(planner_factory)

@@ -2,12 +2,17 @@
 
 Every agreement carries a per-checkpointer call counter, so ranks that called schedule_save or
 finalize a different number of times get a CheckpointError instead of a silent mismatch.
+Without a `process_group` the collectives run on a gloo group of their own whose timeout follows
+`timeout_s`, so a rank that died or stopped calling fails the others within that bound instead
+of holding them for the default group's timeout (and an NCCL-only job needs no extra group).
+A collective that failed leaves the group unusable: later calls raise at once.
 With one process (no process group) every collective is a local no-op.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from datetime import timedelta
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -18,9 +23,14 @@ from .errors import CheckpointError
 _CALL_KINDS = {"schedule_save": 1, "finalize": 2}
 
 
+def collective_timeout_s(timeout_s: float) -> float:
+    """How long a rank waits for the others in one collective: a little over `timeout_s`, so a
+    rank whose own wait on its worker ran out reaches the collective and reports its cause."""
+    return timeout_s * 1.1 + 5.0
+
+
 class RankGroup:
-    def __init__(self, process_group: Optional[Any] = None) -> None:
-        self.pg = process_group
+    def __init__(self, process_group: Optional[Any] = None, timeout_s: float = 600.0) -> None:
         self.distributed = dist.is_available() and dist.is_initialized()
         if process_group is not None and not self.distributed:
             raise CheckpointError("a process_group was given but torch.distributed is not initialized")
@@ -28,13 +38,18 @@ class RankGroup:
         self.size = dist.get_world_size(process_group) if self.distributed else 1
         self.collectives = 0  # issued so far (a debug figure in every SaveReport)
         self._agreements = 0
-        if self.size > 1:
+        self._broken: Optional[str] = None
+        if self.size > 1 and process_group is not None:
             backend = str(dist.get_backend(process_group))
             if "gloo" not in backend:
                 raise CheckpointError(
                     f"process group backend {backend!r} cannot carry asyncckpt's CPU collectives; "
                     "pass a gloo group, e.g. process_group=dist.new_group(backend='gloo')"
                 )
+        elif self.size > 1:  # every rank constructs its checkpointer, so every rank creates this
+            timeout = timedelta(seconds=collective_timeout_s(timeout_s))
+            process_group = dist.new_group(backend="gloo", timeout=timeout)
+        self.pg = process_group
         self._coordinator = dist.get_global_rank(process_group, 0) if self.distributed and process_group else 0
 
     @property
@@ -50,8 +65,7 @@ class RankGroup:
         kind = _CALL_KINDS[what]
         ident = (self._agreements, kind, step)
         values = torch.tensor([v for x in ident for v in (x, -x)] + list(flags), dtype=torch.int64)
-        self._count()
-        dist.all_reduce(values, op=dist.ReduceOp.MAX, group=self.pg)
+        self._run(what, lambda: dist.all_reduce(values, op=dist.ReduceOp.MAX, group=self.pg))
         highs, lows = values[0:6:2].tolist(), [-v for v in values[1:6:2].tolist()]
         if highs != lows:
             raise CheckpointError(
@@ -66,8 +80,7 @@ class RankGroup:
         if self.size == 1:
             return [obj]
         out = [None] * self.size if self.is_coordinator else None
-        self._count()
-        dist.gather_object(obj, out, dst=self._coordinator, group=self.pg)
+        self._run("gather", lambda: dist.gather_object(obj, out, dst=self._coordinator, group=self.pg))
         return out
 
     def scatter(self, objs: Optional[list[Any]]) -> Any:
@@ -75,8 +88,8 @@ class RankGroup:
         if self.size == 1:
             return objs[0]
         out = [None]
-        self._count()
-        dist.scatter_object_list(out, objs if self.is_coordinator else None, src=self._coordinator, group=self.pg)
+        mine = objs if self.is_coordinator else None
+        self._run("scatter", lambda: dist.scatter_object_list(out, mine, src=self._coordinator, group=self.pg))
         return out[0]
 
     def broadcast(self, obj: Any) -> Any:
@@ -84,22 +97,33 @@ class RankGroup:
         if self.size == 1:
             return obj
         box = [obj]
-        self._count()
-        dist.broadcast_object_list(box, src=self._coordinator, group=self.pg)
+        self._run("broadcast", lambda: dist.broadcast_object_list(box, src=self._coordinator, group=self.pg))
         return box[0]
 
     def all_gather(self, obj: Any) -> list[Any]:
         if self.size == 1:
             return [obj]
         out = [None] * self.size
-        self._count()
-        dist.all_gather_object(out, obj, group=self.pg)
+        self._run("all_gather", lambda: dist.all_gather_object(out, obj, group=self.pg))
         return out
 
     def barrier(self) -> None:
         if self.size > 1:
-            self._count()
-            dist.barrier(group=self.pg)
+            self._run("barrier", lambda: dist.barrier(group=self.pg))
 
-    def _count(self) -> None:
+    def _run(self, what: str, collective: Callable[[], Any]) -> None:
+        """Issue one collective. A failure (a rank died, or did not call within the group's
+        timeout) becomes a CheckpointError, and every later collective refuses at once: the
+        ranks no longer agree on where they are."""
+        if self._broken is not None:
+            raise CheckpointError(f"rank {self.rank}: no collectives after an earlier failure ({self._broken})")
         self.collectives += 1
+        try:
+            collective()
+        except RuntimeError as exc:  # gloo's DistBackendError and its timeouts are RuntimeErrors
+            self._broken = f"{what} collective failed: {exc}"
+            raise CheckpointError(
+                f"rank {self.rank}: {self._broken}. Another rank died or did not reach {what} in time "
+                "(all ranks must call schedule_save and finalize at the same points); this checkpointer "
+                "cannot save any more: restart the job"
+            ) from exc

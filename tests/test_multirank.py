@@ -15,6 +15,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from asyncckpt import AsyncCheckpointer, CheckpointConfig, CheckpointError
+from asyncckpt.ranks import collective_timeout_s
 from multirank import run_ranks
 
 ROWS, COLS = 8, 12
@@ -173,3 +174,53 @@ def _mismatched_calls(rank: int, world: int, root: str) -> None:
 
 def test_mismatched_call_counts_are_reported_not_hung(tmp_path):
     run_ranks(_mismatched_calls, 2, str(tmp_path / "ckpt"), timeout_s=90)
+
+
+def _one_rank_stops_calling(rank: int, world: int, root: str, out: str) -> None:
+    config = CheckpointConfig(timeout_s=2)
+    bound = collective_timeout_s(config.timeout_s)
+    ckpt = AsyncCheckpointer(root, config)
+    ckpt.schedule_save({"w": torch.full((4,), float(rank))}, step=1)
+    if rank == 1:  # stuck (a hung data loader, a bug): reaches finalize only after the bound
+        time.sleep(bound + 2)
+    started = time.perf_counter()
+    with pytest.raises(CheckpointError) as failure:
+        ckpt.finalize(blocking=True)
+    waited = time.perf_counter() - started
+    assert "did not reach finalize in time" in str(failure.value), str(failure.value)
+    assert waited < bound + 10, f"rank {rank} waited {waited:.1f}s for a bound of {bound:.1f}s"
+    with pytest.raises(CheckpointError, match="no collectives after an earlier failure"):
+        ckpt.close()  # refuses at once and still stops the worker
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump({"waited": waited, "committed": os.path.exists(os.path.join(root, "step_00000001", ".metadata"))}, f)
+
+
+def test_a_rank_that_stops_calling_fails_the_others_within_the_timeout(tmp_path):
+    out = str(tmp_path / "result.json")
+    run_ranks(_one_rank_stops_calling, 2, str(tmp_path / "ckpt"), out, timeout_s=90)
+    with open(out) as f:
+        result = json.load(f)
+    assert not result["committed"]  # no rank committed a save the others never agreed to
+
+
+def _one_rank_dies(rank: int, world: int, root: str, out: str) -> None:
+    ckpt = AsyncCheckpointer(root, CheckpointConfig(timeout_s=60))
+    ckpt.schedule_save({"w": torch.full((4,), float(rank))}, step=1)
+    assert [r.step for r in ckpt.finalize(blocking=True)] == [1]
+    if rank == 1:
+        os._exit(0)  # the trainer process is gone (OOM kill, node failure); its worker follows it
+    started = time.perf_counter()
+    with pytest.raises(CheckpointError, match="collective failed"):  # at schedule_save or finalize
+        ckpt.schedule_save({"w": torch.zeros(4)}, step=2)
+        ckpt.finalize(blocking=True)
+    with open(out, "w") as f:
+        json.dump({"waited": time.perf_counter() - started}, f)
+    os._exit(0)  # the harness's closing barrier needs rank 1
+
+
+def test_a_rank_that_dies_fails_the_others_instead_of_hanging(tmp_path):
+    out = str(tmp_path / "result.json")
+    run_ranks(_one_rank_dies, 2, str(tmp_path / "ckpt"), out, timeout_s=90)
+    with open(out) as f:
+        assert json.load(f)["waited"] < 30
