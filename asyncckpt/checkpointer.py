@@ -68,6 +68,12 @@ class _WorkerHolds:
 _live: "weakref.WeakSet[AsyncCheckpointer]" = weakref.WeakSet()
 
 
+def eager_staging_threads() -> int:
+    """Threads copying a CPU snapshot in eager mode: the trainer waits idle for the copy, so its
+    cores are free; a copy is memory-bound, and more than four threads gain nothing."""
+    return max(1, min(4, len(os.sched_getaffinity(0))))
+
+
 class AsyncCheckpointer:
     """Asynchronous DCP checkpoints of one training process, written by a persistent worker.
 
@@ -267,7 +273,10 @@ class AsyncCheckpointer:
 
     def _write_options(self) -> WriteOptions:
         c = self.config
-        return WriteOptions(c.io, c.io_workers, c.format, c.fsync, c.checksums, c.separation_hint, c.staging_budget_bytes)
+        return WriteOptions(
+            c.io, c.io_workers, c.format, c.fsync, c.checksums, c.separation_hint, c.staging_budget_bytes,
+            staging_threads=eager_staging_threads() if c.staging == "eager" else 1,
+        )
 
     def _finish_in_flight(self, blocking: bool) -> None:
         flight = self._in_flight

@@ -59,6 +59,7 @@ class WriteOptions:
     checksums: bool = True
     separation_hint: Optional[str] = None
     staging_budget_bytes: Optional[int] = None
+    staging_threads: int = 1  # CPU copy threads: the trainer waits idle in eager mode, computes in lazy
 
 
 @dataclass

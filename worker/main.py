@@ -85,6 +85,7 @@ class ServeLoop:
     def close(self) -> None:
         self.writers.kill_children()
         self.writers.close()
+        self.pool.close()
         self.cache.clear()
 
 
@@ -97,9 +98,9 @@ def run(conn, settings: WorkerSettings) -> None:
     _lower_io_priority(settings)
     _raise_open_file_limit()
     use_fast_serialization()
-    # Staging is on the trainer's critical path: one thread copies at memory speed without
-    # straggling behind a busy core, and it keeps the trainer's CPU priority (only the writers
-    # are niced, see Writers).
+    # Staging is on the trainer's critical path and keeps the trainer's CPU priority (only the
+    # writers are niced, see Writers). Each copy runs on one torch thread; eager staging spreads
+    # the pieces over a few threads of its own (StagingPool.copy_in), lazy staging uses one.
     torch.set_num_threads(1)
     if settings.cuda_device is not None:
         torch.cuda.set_device(settings.cuda_device)

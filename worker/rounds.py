@@ -56,7 +56,9 @@ def run_save(
                 parts = []
             else:
                 staged_bytes += pool.copy_in(
-                    [entry.sources[p] for p in round_.positions], [data.staged[p] for p in round_.positions]
+                    [entry.sources[p] for p in round_.positions],
+                    [data.staged[p] for p in round_.positions],
+                    options.staging_threads,
                 )
                 parts = [(f, p) for f, p in _parts(files, file_of, round_) if p]
             if last:

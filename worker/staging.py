@@ -10,6 +10,8 @@ larger than the budget passes through it in pieces (`pieces`).
 from __future__ import annotations
 
 import mmap
+import threading
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Iterator, Optional, Sequence
 
 import torch
@@ -25,6 +27,8 @@ class StagingPool:
         self._slab: Optional[torch.Tensor] = None
         self.generation = 0  # bumps when the slab is replaced; views of older generations are stale
         self._stream = None
+        self._helpers: Optional[ThreadPoolExecutor] = None  # extra copy threads, made on first use
+        self._helper_count = 0
 
     @property
     def capacity(self) -> int:
@@ -72,10 +76,14 @@ class StagingPool:
             self._slab = torch.frombuffer(mmap.mmap(-1, size), dtype=torch.uint8)
         self.generation += 1
 
-    def copy_in(self, sources: Sequence[Optional[torch.Tensor]], views: Sequence[Optional[torch.Tensor]]) -> int:
+    def copy_in(
+        self, sources: Sequence[Optional[torch.Tensor]], views: Sequence[Optional[torch.Tensor]], threads: int = 1
+    ) -> int:
         """Copy every source tensor into its staging view; return the bytes copied.
 
-        GPU sources are copied with non-blocking copies on a side stream and one synchronize."""
+        GPU sources are copied with non-blocking copies on a side stream and one synchronize.
+        CPU sources are cut into pieces that `threads` threads take from one queue, so a thread
+        that loses its core only takes fewer pieces (a static split would wait for it)."""
         pairs = [(src, dst) for src, dst in zip(sources, views) if src is not None]
         if any(src.is_cuda for src, _ in pairs):
             stream = self._side_stream()
@@ -84,10 +92,41 @@ class StagingPool:
                 for src, dst in pairs:
                     dst.copy_(src, non_blocking=src.is_cuda)
             stream.synchronize()
+        elif threads > 1:
+            self._copy_on_threads(list(_copy_pieces(pairs)), threads)
         else:
             for src, dst in pairs:
                 dst.copy_(src)
         return sum(dst.nbytes for _, dst in pairs)
+
+    def _copy_on_threads(self, pieces: list[tuple[torch.Tensor, torch.Tensor]], threads: int) -> None:
+        queue = iter(pieces)
+        lock = threading.Lock()
+
+        def drain() -> None:
+            while True:
+                with lock:
+                    piece = next(queue, None)
+                if piece is None:
+                    return
+                piece[1].copy_(piece[0])
+
+        if self._helper_count < threads - 1:
+            self.close()
+            self._helpers = ThreadPoolExecutor(threads - 1, thread_name_prefix="asyncckpt-staging")
+            self._helper_count = threads - 1
+        helpers = [self._helpers.submit(drain) for _ in range(threads - 1)]
+        try:
+            drain()
+        finally:  # never report a copy done (or failed) while a helper still writes the slab
+            wait(helpers)
+        for helper in helpers:
+            helper.result()
+
+    def close(self) -> None:
+        if self._helpers is not None:
+            self._helpers.shutdown(wait=True)
+            self._helpers, self._helper_count = None, 0
 
     def pieces(self, source: torch.Tensor) -> Iterator:
         """Copy `source` through the slab piece by piece (C order, each at most the slab's size)
@@ -104,6 +143,22 @@ class StagingPool:
         if self._stream is None:
             self._stream = torch.cuda.Stream()
         return self._stream
+
+
+COPY_PIECE_BYTES = 16 << 20
+
+
+def _copy_pieces(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """(source, destination) pairs with large contiguous tensors cut into flat pieces of at most
+    COPY_PIECE_BYTES, largest tensors first, so threads finish together."""
+    for src, dst in sorted(pairs, key=lambda pair: -pair[1].nbytes):
+        if src.nbytes > COPY_PIECE_BYTES and src.is_contiguous() and dst.is_contiguous():
+            flat_src, flat_dst = src.reshape(-1), dst.reshape(-1)
+            step = COPY_PIECE_BYTES // src.element_size()
+            for start in range(0, flat_src.numel(), step):
+                yield flat_src[start : start + step], flat_dst[start : start + step]
+        else:
+            yield src, dst
 
 
 def _pieces(tensor: torch.Tensor, limit: int) -> Iterator[torch.Tensor]:
