@@ -20,12 +20,14 @@ from typing import Optional
 from .errors import CheckpointError
 from .formats import CHECKSUMS_FILE, decode_checksums
 from .loading import LATEST_FILE, METADATA_FILE, latest_checkpoint, list_checkpoints, parse_step, read_latest_marker, read_metadata
+from .safety import TRUST_HINT
 from .storage import Storage, is_remote, storage_for
 
 EXIT_DAMAGED, EXIT_USAGE, EXIT_MISSING, EXIT_NOT_CHECKPOINT, EXIT_TORN, EXIT_UNREADABLE = 1, 2, 3, 4, 5, 6
 EXIT_INTERNAL = 70  # an unexpected exception (a bug): traceback on stderr
 BENCH_SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_save.py"
 _READ_CHUNK = 64 << 20
+CLI_TRUST_HINT = "pass --trusted (inspect, verify) to opt into full unpickling, only for checkpoints whose author you trust"
 
 
 class CliError(Exception):
@@ -82,11 +84,14 @@ def _checkpoint(path: str) -> tuple[Storage, str]:
     return storage, path
 
 
-def _metadata(path: str):
+def _metadata(path: str, trusted: bool = False):
+    """The checkpoint's DCP metadata, read through the library's safe path (restricted unpickling
+    unless `trusted`); a refused or unreadable `.metadata` is a CliError."""
     try:
-        metadata = read_metadata(path)
+        metadata = read_metadata(path, trusted=trusted)
     except Exception as exc:
-        raise CliError(f"{path}: cannot read {METADATA_FILE}: {exc}", EXIT_UNREADABLE) from None
+        message = str(exc).replace(TRUST_HINT, CLI_TRUST_HINT)
+        raise CliError(f"{path}: cannot read {METADATA_FILE}: {message}", EXIT_UNREADABLE) from None
     if not hasattr(metadata, "state_dict_metadata"):
         raise CliError(f"{path}: {METADATA_FILE} is not DCP metadata", EXIT_UNREADABLE)
     return metadata
@@ -157,19 +162,39 @@ def cmd_ls(args: argparse.Namespace) -> int:
     if kind == "other":
         raise CliError(f"{root}: not a checkpoint root (no step_NNNNNNNN directories, no {LATEST_FILE} file)", EXIT_NOT_CHECKPOINT)
     latest = read_latest_marker(root, storage)
-    rows = [_ls_row(storage, info, latest) for info in list_checkpoints(root, storage)]
+    infos = list_checkpoints(root, storage)
+    states = [_ls_state(storage, info) for info in infos]
+    rows = [_ls_row(storage, info, state, latest) for info, (state, _) in zip(infos, states)]
     total = sum(row.pop() for row in rows)
     _table(["STEP", "STATE", "SIZE", "FILES", "AGE", "DIR", ""], rows, right={0, 2, 3, 4})
-    committed = {row[5] for row in rows if row[1] == "committed"}
-    print(f"{len(rows)} checkpoint{'s' * (len(rows) != 1)} ({len(committed)} committed, {len(rows) - len(committed)} torn), {_size(total)}")
-    if len(committed) < len(rows):
+    counts = {state: sum(s == state for s, _ in states) for state in ("committed", "refused", "unreadable", "torn")}
+    summary = ", ".join(f"{n} {state}" for state, n in counts.items() if n or state in ("committed", "torn"))
+    print(f"{len(rows)} checkpoint{'s' * (len(rows) != 1)} ({summary}), {_size(total)}")
+    if counts["torn"]:
         print(f"torn = no {METADATA_FILE}: the save never committed (or is still being written)")
-    if latest is not None and latest not in committed:
+    problems = [problem for _, problem in states if problem]
+    for problem in problems:
+        print(problem, file=sys.stderr)
+    if latest is not None and latest not in {info.name for info in infos if info.committed}:
         print(f"warning: {LATEST_FILE} names {latest!r}, which is not a committed checkpoint here", file=sys.stderr)
-    return 0
+    return EXIT_UNREADABLE if problems else 0
 
 
-def _ls_row(storage: Storage, info, latest: Optional[str]) -> list:
+def _ls_state(storage: Storage, info) -> tuple[str, Optional[str]]:
+    """"committed", "torn", or "refused"/"unreadable" with why: a committed checkpoint's
+    `.metadata` is read the safe way (a crafted one is refused, never run)."""
+    if not info.committed:
+        return "torn", None
+    try:
+        _metadata(info.path)
+    except CliError as exc:
+        if not storage.exists(storage.join(info.path, METADATA_FILE)):
+            return "torn", None  # retention removed it while we looked (it deletes .metadata first)
+        return ("refused" if "refusing" in str(exc) else "unreadable"), str(exc)
+    return "committed", None
+
+
+def _ls_row(storage: Storage, info, state: str, latest: Optional[str]) -> list:
     """One table row (and, last, the size in bytes); a save in flight may change files meanwhile."""
     size, count, age = 0, 0, None
     try:
@@ -181,14 +206,13 @@ def _ls_row(storage: Storage, info, latest: Optional[str]) -> list:
         age = None if is_remote(stamp) else time.time() - os.path.getmtime(stamp)
     except OSError:
         pass  # vanished while we looked: a torn save being cleaned up
-    state = "committed" if info.committed else "torn"
     mark = "<- latest" if info.name == latest else ""
     return [str(info.step), state, _size(size), str(count), _age(age), info.name, mark, size]
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     _, path = _checkpoint(args.path)
-    metadata = _metadata(path)
+    metadata = _metadata(path, args.trusted)
     places: dict[str, list] = {}
     for index, info in (metadata.storage_data or {}).items():
         places.setdefault(index.fqn, []).append(info)
@@ -215,7 +239,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     storage, path = _checkpoint(args.path)
-    metadata = _metadata(path)
+    metadata = _metadata(path, args.trusted)
     sidecar = storage.join(path, CHECKSUMS_FILE)
     if not storage.exists(sidecar):
         raise CliError(f"{path}: no {CHECKSUMS_FILE} (saved with checksums=False?); cannot verify", EXIT_UNREADABLE)
@@ -290,12 +314,17 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     where = "checkpoint directory, or a root (uses the checkpoint `latest` names)"
     _command(sub, cmd_ls, "ROOT", "checkpoint root (holds step_NNNNNNNN/ and latest)", "list the checkpoints of a root",
-             "Table of the step directories in ROOT: step, committed or torn, size, files, age, which one `latest` names.")
-    _command(sub, cmd_inspect, "PATH", where, "list every tensor and object in a checkpoint",
-             "Every tensor and object of a committed checkpoint: dtype, shape, size, stored bytes, file.")
+             "Table of the step directories in ROOT: step, state, size, files, age, which one `latest` names. "
+             f"State: committed, torn (no {METADATA_FILE}), or refused/unreadable ({METADATA_FILE} read safely "
+             "names a class or a file it may not, or is damaged; exit 6).")
+    inspect = _command(sub, cmd_inspect, "PATH", where, "list every tensor and object in a checkpoint",
+                       "Every tensor and object of a committed checkpoint: dtype, shape, size, stored bytes, file.")
     verify = _command(sub, cmd_verify, "PATH", where, "re-read every item and check its checksum",
                       f"Re-read every item of a committed checkpoint and check its CRC32 from {CHECKSUMS_FILE}; exit 1 on damage.")
     verify.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    for command in (inspect, verify):
+        command.add_argument("--trusted", action="store_true", help=f"unpickle {METADATA_FILE} fully instead of refusing "
+                             "classes outside DCP's: it can run code, so only for checkpoints whose author you trust")
     sub.add_parser("bench", add_help=False, help="run benchmarks/bench_save.py, every argument passed through (see bench --help)")
     return parser
 

@@ -3,8 +3,11 @@ on checkpoints the library wrote; damage, torn saves and wrong paths give distin
 
 from __future__ import annotations
 
+import dataclasses
+import datetime
 import json
 import os
+import pickle
 import shutil
 import subprocess
 import sys
@@ -75,6 +78,71 @@ def test_ls_marks_the_torn_checkpoint_and_the_latest(saved):
     assert "torn" in rows["step_00000003"] and "committed" not in rows["step_00000003"]
     assert "latest" not in rows["step_00000003"]
     assert "3 checkpoints (2 committed, 1 torn)" in result.stdout
+
+
+class Payload:
+    """Unpickling this creates a directory: the stand-in for arbitrary code."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.mkdir, (self.marker,))
+
+
+def rewrite_metadata(path: str, change) -> None:
+    file = os.path.join(path, ".metadata")
+    with open(file, "rb") as f:
+        metadata = pickle.load(f)  # the test trusts its own files
+    with open(file, "wb") as f:
+        pickle.dump(change(metadata), f)
+
+
+def test_ls_reads_metadata_safely_and_marks_refused_and_unreadable_checkpoints(saved, tmp_path, capsys):
+    root = str(tmp_path / "ckpt")
+    shutil.copytree(saved[0], root)
+    marker = str(tmp_path / "pwned")
+    rewrite_metadata(step_path(root, 1), lambda md: Payload(marker))
+    shutil.copytree(step_path(root, 2), step_path(root, 4))
+    with open(os.path.join(step_path(root, 4), ".metadata"), "wb") as f:
+        f.write(b"not a pickle")
+
+    result = run_in_process(capsys, "ls", root)
+    assert result.returncode == cli.EXIT_UNREADABLE
+    rows = {line.split()[-1] if "latest" not in line else line.split()[-3]: line.split()[1]
+            for line in result.stdout.splitlines() if "step_" in line}
+    assert rows == {"step_00000001": "refused", "step_00000002": "committed", "step_00000003": "torn",
+                    "step_00000004": "unreadable"}, result.stdout
+    assert "4 checkpoints (1 committed, 1 refused, 1 unreadable, 1 torn)" in result.stdout
+    errors = result.stderr.splitlines()
+    assert len(errors) == 2, result.stderr
+    assert "step_00000001" in errors[0] and "refusing to unpickle posix.mkdir" in errors[0] and "--trusted" in errors[0]
+    assert "step_00000004" in errors[1] and "cannot read" in errors[1]
+    assert not os.path.exists(marker)
+
+
+def test_trusted_reads_metadata_with_a_class_outside_the_allow_list(saved, tmp_path, capsys):
+    step_dir = copy_of_step_2(saved, tmp_path)
+    rewrite_metadata(step_dir, lambda md: dataclasses.replace(md, planner_data={"made": datetime.date(2024, 1, 1)}))
+    for command in ("inspect", "verify"):
+        result = run_in_process(capsys, command, step_dir)
+        assert result.returncode == cli.EXIT_UNREADABLE and result.stdout == ""
+        assert "refusing to unpickle datetime.date" in result.stderr and "--trusted" in result.stderr
+    result = run_in_process(capsys, "inspect", "--trusted", step_dir)
+    assert result.returncode == 0, result.stderr
+    assert "model.0.weight" in result.stdout
+    result = run_in_process(capsys, "verify", "--trusted", "-q", step_dir)
+    assert result.returncode == 0 and "OK" in result.stdout, result.stdout + result.stderr
+
+
+def test_installed_console_script_lists_a_root(saved):
+    script = os.path.join(os.path.dirname(sys.executable), "asyncckpt")
+    if not os.path.exists(script):
+        pytest.skip(f"{script}: console script not installed (pip install -e .)")
+    result = subprocess.run([script, "ls", saved[0]], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "3 checkpoints (2 committed, 1 torn)" in result.stdout
+    assert "<- latest" in next(line for line in result.stdout.splitlines() if "step_00000002" in line)
 
 
 def test_inspect_lists_every_key_with_dtype_and_shape(saved):
@@ -185,7 +253,9 @@ def test_help_texts(capsys):
     for command in ("ls", "inspect", "verify"):
         with pytest.raises(SystemExit) as exited:
             cli.main([command, "--help"])
-        assert exited.value.code == 0 and f"usage: asyncckpt {command}" in capsys.readouterr().out
+        out = capsys.readouterr().out
+        assert exited.value.code == 0 and f"usage: asyncckpt {command}" in out
+        assert ("--trusted" in out) == (command != "ls")
     with pytest.raises(SystemExit) as exited:
         cli.main(["frobnicate"])
     assert exited.value.code == cli.EXIT_USAGE

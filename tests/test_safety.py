@@ -99,7 +99,10 @@ def test_crafted_metadata_is_refused_everywhere_and_runs_nothing(tmp_path, capsy
     for command, target in [("inspect", path), ("verify", path), ("inspect", root), ("verify", root)]:
         assert cli_main([command, target]) != 0
         assert "refusing to unpickle posix.mkdir" in capsys.readouterr().err
-    assert cli_main(["ls", root]) == 0  # ls never unpickles metadata
+    assert cli_main(["ls", root]) == 6  # ls reads each .metadata the safe way: refused, exit "unreadable"
+    out, err = capsys.readouterr()
+    assert "refused" in next(line for line in out.splitlines() if "step_00000001" in line)
+    assert "refusing to unpickle posix.mkdir" in err and "--trusted" in err
     assert not os.path.exists(marker)
 
 
