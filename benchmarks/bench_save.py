@@ -5,18 +5,22 @@ plus a few plain Python items) to the SAME disk directory, in one process run, s
 comparable even on a noisy shared disk (DESIGN.md §9, perf_anchors.md §3):
 
   raw_write            one sequential file of the same byte count, fsync'd (disk ceiling)
-  memcpy               copy of every tensor into reused host buffers (copy ceiling)
+  memcpy               copy of every tensor into reused host buffers on the threads asyncckpt's eager
+                       staging uses (copy ceiling)
   torch.save+fsync     torch.save(state, path) then fsync
   dcp.save             torch.distributed.checkpoint.save (sync, no process group)
   dcp.async_save thread / process (process with a reused CPU-safe DefaultStager; DCP's process
                        mode needs a process group: "process" runs without one as a user would
                        try first, "process+gloo" inside a one-rank gloo group)
   asyncckpt thread / process / lazy / no-checksums / nice0 / safetensors / budget
+  asyncckpt s3         asyncckpt to s3://BUCKET/PREFIX on a local S3 server (moto_server on loopback,
+                       started for the row and stopped after it; skipped, with the reason, without one)
 
 Per method: a first save (reported apart) and --saves steady-state saves. Figures: caller-blocked
 seconds, seconds to durable, throughput as a fraction of the raw-write ceiling measured in the same
 run (pooled, plus a probe written just before the method), peak extra PSS (trainer + descendants)
-over the state size, and the slowdown of a CPU compute loop while a save is in flight.
+over the state size, and the slowdown of a CPU compute loop while a save is in flight. A progress
+line on stderr (redrawn in place on a terminal) counts the saves done and the time spent.
 
     python benchmarks/bench_save.py --quick --plot bench_out/quick.png
     python benchmarks/bench_save.py --size-mb 1024 --saves 5 --out bench_out/bench.json
@@ -28,6 +32,7 @@ import argparse
 import contextlib
 import ctypes
 import gc
+import importlib
 import json
 import math
 import os
@@ -40,6 +45,7 @@ import threading
 import time
 import traceback
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Optional
 
@@ -70,12 +76,74 @@ ALL_METHODS = (
     "asyncckpt nice0",
     "asyncckpt safetensors",
     "asyncckpt budget",
+    "asyncckpt s3",
 )
 
 
 def log(message: str) -> None:
-    """Progress line on stderr (the table goes to stdout)."""
+    """A log line on stderr (the table goes to stdout)."""
     print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+class Progress:
+    """One status line on stderr, e.g. `[bench] 23/84 saves  asyncckpt thread save 3/5  02:41 elapsed`.
+
+    On a terminal it is redrawn in place (log lines go above it); otherwise it is printed as a plain
+    line when a method starts and at most every `interval_s` seconds. Redrawn only when something
+    happens (no ticker thread: it would take GIL time from the methods being measured)."""
+
+    def __init__(self, total: int, stream=None, interval_s: float = 10.0) -> None:
+        self.total = total
+        self.done = 0
+        self.label = ""
+        self.stream = stream if stream is not None else sys.stderr
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.interval_s = interval_s
+        self.start = time.monotonic()
+        self._last_print = -math.inf
+        self._shown = False  # a status line is on the terminal's last line
+
+    def line(self) -> str:
+        elapsed = int(time.monotonic() - self.start)
+        return f"[bench] {self.done}/{self.total} saves  {self.label}  {elapsed // 60:02d}:{elapsed % 60:02d} elapsed"
+
+    def update(self, label: Optional[str] = None, done: Optional[int] = None, force: bool = False) -> None:
+        """Set the label and/or the saves done, and show the line (on a non-terminal: if `force`
+        or `interval_s` has passed since the last one)."""
+        if label is not None:
+            self.label = label
+        if done is not None:
+            self.done = done
+        now = time.monotonic()
+        if self.tty:
+            self.stream.write("\r\x1b[K" + self.line())
+            self.stream.flush()
+            self._shown = True
+        elif force or now - self._last_print >= self.interval_s:
+            print(self.line(), file=self.stream, flush=True)
+            self._last_print = now
+
+    def saved(self) -> None:
+        """One more save done."""
+        self.update(done=self.done + 1)
+
+    def log(self, message: str) -> None:
+        """A log line, kept above the status line on a terminal."""
+        if self._shown:
+            self.stream.write("\r\x1b[K")
+        log(message)
+        if self._shown:
+            self.stream.write(self.line())
+            self.stream.flush()
+
+    def close(self) -> None:
+        """Leave the final status on a line of its own."""
+        if self.tty:
+            self.stream.write("\r\x1b[K" + self.line() + "\n")
+            self.stream.flush()
+            self._shown = False
+        else:
+            print(self.line(), file=self.stream, flush=True)
 
 
 class Skip(Exception):
@@ -157,11 +225,19 @@ def mutate(state: dict[str, Any], step: int) -> None:
 
 
 # measurement helpers -------------------------------------------------------------------------------
-def family_pss() -> int:
-    """PSS of this process plus all its descendants (asyncckpt workers, forked writers, daemons)."""
+def family_pss(exclude: frozenset[int] = frozenset()) -> int:
+    """PSS of this process plus all its descendants (asyncckpt workers, forked writers, daemons),
+    leaving out the processes in `exclude` and their descendants (services such as a local S3
+    server, which are not the trainer's memory)."""
     me = psutil.Process()
+    left_out = set(exclude)
+    for pid in exclude:
+        try:
+            left_out.update(c.pid for c in psutil.Process(pid).children(recursive=True))
+        except psutil.Error:
+            pass
     try:
-        children = me.children(recursive=True)
+        children = [c for c in me.children(recursive=True) if c.pid not in left_out]
     except psutil.Error:
         children = []
     return pss_bytes(me.pid) + sum(pss_bytes(c.pid) for c in children)
@@ -183,13 +259,15 @@ class PeakSampler:
 
     SCRIPT = os.path.join(BENCH_DIR, "pss_sampler.py")
 
-    def __init__(self, interval_s: float = 0.02) -> None:
+    def __init__(self, interval_s: float = 0.02, exclude: frozenset[int] = frozenset()) -> None:
         self.interval_s = interval_s
+        self.exclude = exclude  # descendants left out, with their subtrees (see family_pss)
         self._proc: Optional[subprocess.Popen] = None
 
     def start(self) -> None:
+        exclude = ",".join(str(pid) for pid in sorted(self.exclude))
         self._proc = subprocess.Popen(
-            [sys.executable, self.SCRIPT, str(os.getpid()), str(self.interval_s)],
+            [sys.executable, self.SCRIPT, str(os.getpid()), str(self.interval_s), exclude],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
         )
         self._proc.stdout.readline()  # "ready": it samples from now on
@@ -292,9 +370,7 @@ def remove(path: str) -> None:
 
 def remove_output(method: "Method", step: int) -> None:
     """Delete what one save wrote (the disk is shared; outputs never pile up)."""
-    out = method.output_of(step)
-    if out:
-        remove(out)
+    method.discard(step)
 
 
 def short_error(exc: BaseException) -> str:
@@ -319,6 +395,14 @@ class Method:
         self.workdir = workdir
         self.note = ""
 
+    def prepare(self) -> None:
+        """Start what the method needs beside the trainer (a server), before the memory baseline;
+        raise Skip if it cannot. The processes it starts go in `outside_pids`."""
+
+    def outside_pids(self) -> frozenset[int]:
+        """Descendant processes that are not the saving side (left out of the memory figures)."""
+        return frozenset()
+
     def setup(self) -> None:
         os.makedirs(self.workdir, exist_ok=True)
 
@@ -334,6 +418,17 @@ class Method:
 
     def output_of(self, step: int) -> str:
         return os.path.join(self.workdir, f"step_{step:06d}")
+
+    def output_size(self, step: int) -> int:
+        """Bytes one save wrote."""
+        out = self.output_of(step)
+        return tree_bytes(out) if out else 0
+
+    def discard(self, step: int) -> None:
+        """Delete what one save wrote."""
+        out = self.output_of(step)
+        if out:
+            remove(out)
 
     def check_first(self, step: int) -> None:
         """Called once after the first save: raise Skip if the output is not what was asked."""
@@ -359,13 +454,19 @@ class RawWrite(Method):
 class Memcpy(Method):
     """Copy of every tensor into buffers allocated once and reused: the copy ceiling.
 
-    The first save also faults the buffer's pages in (cold copy); later saves are warm. One
-    thread, like the anchor (perf_anchors §2.6): a memory-bound copy gains little from a second
-    thread, and a 2-thread copy_ stalls at its barrier whenever another process holds a core."""
+    The first save also faults the buffer's pages in (cold copy); later saves are warm. It copies
+    the way asyncckpt's eager staging does (worker/staging.py), so "blocked / memcpy" compares like
+    with like: `eager_staging_threads()` threads (this one and helpers made once) take pieces of at
+    most 16 MiB, largest first, from one queue, each copy on one torch thread. Not torch's own
+    intra-op threads: their static split stalls at a barrier whenever another process holds a core
+    (measured here under load: 2 intra-op threads 0.45 s vs 0.03 s for the queue, 128 MiB)."""
 
     name = "memcpy"
+    PIECE_BYTES = 16 * MiB
 
     def setup(self) -> None:
+        from asyncckpt.checkpointer import eager_staging_threads
+
         tensors = state_tensors(self.state)
         total = sum(-(-t.numel() * t.element_size() // 64) * 64 for t in tensors)
         self.slab = torch.empty(total, dtype=torch.uint8)  # not yet faulted in
@@ -374,13 +475,41 @@ class Memcpy(Method):
             n = t.numel() * t.element_size()
             self.views.append(self.slab[offset : offset + n].view(t.dtype).view(t.shape))
             offset += -(-n // 64) * 64  # 64-byte aligned, like the staging pool
+        self.threads = eager_staging_threads()
+        self.helpers = ThreadPoolExecutor(self.threads - 1) if self.threads > 1 else None
+        self.note = f"{self.threads} thread(s)"
+
+    def pieces(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(source, destination) pairs, largest first, tensors over PIECE_BYTES cut into flat pieces."""
+        out = []
+        for src, dst in sorted(zip(state_tensors(self.state), self.views), key=lambda pair: -pair[1].nbytes):
+            if src.nbytes > self.PIECE_BYTES:
+                flat_src, flat_dst, step = src.reshape(-1), dst.reshape(-1), self.PIECE_BYTES // src.element_size()
+                out.extend((flat_src[i : i + step], flat_dst[i : i + step]) for i in range(0, flat_src.numel(), step))
+            else:
+                out.append((src, dst))
+        return out
 
     def begin(self, step: int) -> None:
+        queue, lock = iter(self.pieces()), threading.Lock()
+
+        def drain() -> None:
+            while True:
+                with lock:
+                    piece = next(queue, None)
+                if piece is None:
+                    return
+                piece[1].copy_(piece[0])
+
         saved = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
-            for src, dst in zip(state_tensors(self.state), self.views):
-                dst.copy_(src)
+            helpers = [self.helpers.submit(drain) for _ in range(self.threads - 1)] if self.helpers else []
+            try:
+                drain()
+            finally:
+                for helper in helpers:
+                    helper.result()
         finally:
             torch.set_num_threads(saved)
 
@@ -388,6 +517,9 @@ class Memcpy(Method):
         return ""
 
     def teardown(self) -> None:
+        if getattr(self, "helpers", None) is not None:
+            self.helpers.shutdown(wait=True)
+            self.helpers = None
         self.views, self.slab = [], None
 
 
@@ -519,7 +651,12 @@ class AsyncCkpt(Method):
             config = CheckpointConfig(**self.config_kwargs)
         except (TypeError, ValueError) as exc:
             raise Skip(f"CheckpointConfig rejects {self.config_kwargs}: {exc}") from exc
-        self.ckpt = AsyncCheckpointer(self.workdir, config)
+        self.ckpt = AsyncCheckpointer(self.root, config)
+
+    @property
+    def root(self) -> str:
+        """The checkpointer's root (a directory here; an object-store URL in AsyncCkptS3)."""
+        return self.workdir
 
     def begin(self, step: int) -> None:
         self.ckpt.schedule_save(self.state, step)
@@ -552,6 +689,89 @@ class AsyncCkpt(Method):
         if self.ckpt is not None:
             self.ckpt.close()
             self.ckpt = None
+
+
+class AsyncCkptS3(AsyncCkpt):
+    """asyncckpt saving to `s3://BUCKET/PREFIX` on a local S3 server: moto_server on loopback,
+    started by tests/s3_server.py's MotoServer for this row and stopped in teardown (also after an
+    error). The server's own memory is left out of the row's memory figures."""
+
+    PREFIX = "bench"
+
+    def __init__(self, state, workdir, name: str) -> None:
+        super().__init__(state, workdir, name, {})
+        self.server = None
+        self.bucket = ""
+        self._saved_env: dict[str, Optional[str]] = {}
+
+    def prepare(self) -> None:
+        os.makedirs(self.workdir, exist_ok=True)
+        tests_dir = os.path.join(REPO_ROOT, "tests")
+        if tests_dir not in sys.path:
+            sys.path.insert(0, tests_dir)
+        try:  # the tests' moto_server helper; needs the test extras (moto[server], boto3, pytest)
+            for module in ("boto3", "multistorageclient"):
+                importlib.import_module(module)
+            import s3_server
+        except ImportError as exc:
+            raise Skip(f"no local S3 server: needs the test extras (moto[server], boto3, "
+                       f"multi-storage-client): {exc}") from exc
+        try:
+            self.server = s3_server.MotoServer.start(self.workdir)
+        except (RuntimeError, OSError) as exc:
+            raise Skip(f"no local S3 server: {exc}") from exc
+        self.bucket = s3_server.BUCKET
+        self.server.create_bucket(self.bucket)
+        config_path = os.path.join(self.workdir, "msc_config.yaml")
+        s3_server.write_msc_config(config_path, {s3_server.PROFILE: self.server.endpoint})
+        env = s3_server.session_env(config_path, self.server.endpoint)
+        # Set before the checkpointer starts, so its worker process inherits them; restored in teardown.
+        self._saved_env = {name: os.environ.get(name) for name in (*env, "AWS_PROFILE")}
+        os.environ.update(env)
+        os.environ.pop("AWS_PROFILE", None)
+        self.note = "local moto_server (its memory not counted)"
+
+    def outside_pids(self) -> frozenset[int]:
+        return frozenset([self.server.process.pid]) if self.server is not None else frozenset()
+
+    @property
+    def root(self) -> str:
+        return f"s3://{self.bucket}/{self.PREFIX}"
+
+    def output_of(self, step: int) -> str:
+        return ""  # nothing on the local disk; see output_size / discard
+
+    def _step_keys(self, step: int) -> list[tuple[str, int]]:
+        from asyncckpt.loading import step_dir_name
+
+        prefix = f"{self.PREFIX}/{step_dir_name(step)}/"
+        pages = self.server.s3_client().get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix)
+        return [(item["Key"], item["Size"]) for page in pages for item in page.get("Contents", [])]
+
+    def output_size(self, step: int) -> int:
+        return sum(size for _, size in self._step_keys(step))
+
+    def discard(self, step: int) -> None:
+        """Delete the step's objects (moto keeps them in memory)."""
+        keys = [key for key, _ in self._step_keys(step)]
+        client = self.server.s3_client()
+        for start in range(0, len(keys), 1000):
+            batch = [{"Key": key} for key in keys[start : start + 1000]]
+            client.delete_objects(Bucket=self.bucket, Delete={"Objects": batch, "Quiet": True})
+
+    def teardown(self) -> None:
+        try:
+            super().teardown()
+        finally:
+            if self.server is not None:
+                self.server.stop()
+                self.server = None
+            for name, value in self._saved_env.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+            self._saved_env = {}
 
 
 def check_safetensors_dir(path: str) -> str:
@@ -597,6 +817,8 @@ def make_method(name: str, state: dict[str, Any], root: str, state_bytes: int) -
     }
     if name in variants:
         return AsyncCkpt(state, workdir, name, variants[name])
+    if name == "asyncckpt s3":
+        return AsyncCkptS3(state, workdir, name)
     raise ValueError(f"unknown method {name!r}; known: {', '.join(ALL_METHODS)}")
 
 
@@ -724,14 +946,24 @@ class RunSettings:
 class Runner:
     """Runs each method on the shared state and collects MethodResults."""
 
-    def __init__(self, state: dict[str, Any], root: str, settings: RunSettings, loop: ComputeLoop) -> None:
+    def __init__(self, state: dict[str, Any], root: str, settings: RunSettings, loop: ComputeLoop,
+                 progress: Optional[Progress] = None) -> None:
         self.state = state
         self.root = root
         self.settings = settings
         self.loop = loop
+        self.progress = progress if progress is not None else Progress(0)
         self.state_bytes = describe_state(state).tensor_bytes
         self.step = 0
         self.raw_gbps_samples: list[float] = []
+
+    @property
+    def saves_per_method(self) -> int:
+        """First save + steady saves + interference saves: what the progress line counts."""
+        return 1 + self.settings.saves + self.settings.interference_saves
+
+    def log(self, message: str) -> None:
+        self.progress.log(message)
 
     def next_step(self) -> int:
         self.step += 1
@@ -752,27 +984,36 @@ class Runner:
     def run(self, name: str) -> MethodResult:
         result = MethodResult(name, loadavg=os.getloadavg())
         method = make_method(name, self.state, self.root, self.state_bytes)
+        done_before = self.progress.done
+        self.progress.update(label=f"{name} starting", force=True)
         if self.settings.raw_probe and name not in ("raw_write", "memcpy"):
+            self.progress.update(label=f"{name} raw probe")
             result.raw_probe_gbps = self.raw_probe()
-            log(f"{name}: raw probe {result.raw_probe_gbps:.2f} GB/s")
-        gc.collect()
-        result.baseline_pss = family_pss()
-        sampler = PeakSampler(self.settings.sample_interval_s)
-        sampler.start()
+            self.log(f"{name}: raw probe {result.raw_probe_gbps:.2f} GB/s")
+        sampler: Optional[PeakSampler] = None
         try:
+            method.prepare()  # e.g. start a local server, before the memory baseline
+            gc.collect()
+            outside = method.outside_pids()
+            result.baseline_pss = family_pss(outside)
+            sampler = PeakSampler(self.settings.sample_interval_s, outside)
+            sampler.start()
             self._measure(method, result, sampler)
         except Skip as exc:
             result.status, result.note = "skipped", str(exc)
-            log(f"{name}: skipped: {exc}")
+            self.log(f"{name}: skipped: {exc}")
         except Exception as exc:
             result.status, result.note = "error", short_error(exc)
-            log(f"{name}: ERROR {result.note}\n{traceback.format_exc()}")
+            self.log(f"{name}: ERROR {result.note}\n{traceback.format_exc()}")
         finally:
             if method.note:
                 result.add_note(method.note)
-            memory = sampler.stop()  # no-op if _measure stopped it already
+            memory = sampler.stop() if sampler is not None else PeakMemory()  # no-op if _measure stopped it
             result.memory = result.memory if result.memory.samples else memory
+            self.progress.update(label=f"{name} teardown")
             self._teardown(method, result)
+            # a skipped or failed method still counts its saves, so the total stays right
+            self.progress.update(label=f"{name} {result.status}", done=done_before + self.saves_per_method)
         if name == "raw_write":
             self.raw_gbps_samples.extend(self.state_bytes / s.durable_s / 1e9 for s in result.steady)
         return result
@@ -782,22 +1023,28 @@ class Runner:
         start = time.perf_counter()
         method.setup()
         result.setup_s = time.perf_counter() - start
-        log(f"{method.name}: setup {result.setup_s:.2f}s; first save")
+        self.log(f"{method.name}: setup {result.setup_s:.2f}s; first save")
+        self.progress.update(label=f"{method.name} first save")
         result.first = self._timed_save(method, self.next_step())
         method.check_first(result.first.step)
-        out = method.output_of(result.first.step)
-        result.output_bytes = tree_bytes(out) if out else 0
+        result.output_bytes = method.output_size(result.first.step)
         remove_output(method, result.first.step)
+        self.progress.saved()
         for i in range(self.settings.saves):
+            self.progress.update(label=f"{method.name} save {i + 1}/{self.settings.saves}")
             sample = self._timed_save(method, self.next_step())
-            log(f"{method.name}: save {i + 1}/{self.settings.saves} blocked {sample.blocked_s:.3f}s "
-                f"durable {sample.durable_s:.3f}s")
+            self.log(f"{method.name}: save {i + 1}/{self.settings.saves} blocked {sample.blocked_s:.3f}s "
+                     f"durable {sample.durable_s:.3f}s")
             result.steady.append(sample)
             remove_output(method, sample.step)
+            self.progress.saved()
         result.memory = sampler.stop()
         for i in range(self.settings.interference_saves):
-            log(f"{method.name}: step-time interference {i + 1}/{self.settings.interference_saves}")
+            label = f"step-time interference {i + 1}/{self.settings.interference_saves}"
+            self.log(f"{method.name}: {label}")
+            self.progress.update(label=f"{method.name} {label}")
             result.interference.append(self._interference(method))
+            self.progress.saved()
 
     def _timed_save(self, method: Method, step: int) -> SaveSample:
         start = time.perf_counter()
@@ -927,6 +1174,7 @@ def compute_ratios(results: list[MethodResult], state_bytes: int) -> list[Ratio]
     first = by.get("asyncckpt thread")
     first_blk = first.first.blocked_s if first and first.first else None
     proc_dur, nock_dur = get("asyncckpt process", "durable"), get("asyncckpt no-checksums", "durable")
+    s3_dur = get("asyncckpt s3", "durable")
     return [
         Ratio("asyncckpt blocked / memcpy", div(ack_blk, get("memcpy", "blocked")), "<= 1.5",
               f"{fmt(ack_blk)}s / {fmt(get('memcpy', 'blocked'))}s"),
@@ -945,6 +1193,8 @@ def compute_ratios(results: list[MethodResult], state_bytes: int) -> list[Ratio]
               f"durable thread {fmt(ack_dur)}s, process {fmt(proc_dur)}s"),
         Ratio("checksum cost: durable with / without", div(ack_dur, nock_dur), "~1",
               f"{fmt(ack_dur)}s vs {fmt(nock_dur)}s"),
+        Ratio("s3 / local disk throughput", div(ack_dur, s3_dur), "info",
+              f"durable to local S3 server {fmt(s3_dur)}s, to local disk {fmt(ack_dur)}s (asyncckpt thread)"),
         Ratio("slowdown nice0 / nice10", div(get("asyncckpt nice0", "slowdown"), get("asyncckpt thread", "slowdown")),
               ">= 1", f"{fmt(get('asyncckpt nice0', 'slowdown'), '.2f')} vs "
                       f"{fmt(get('asyncckpt thread', 'slowdown'), '.2f')}"),
@@ -1064,20 +1314,24 @@ def main(argv: Optional[list[str]] = None) -> int:
         torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore", module=r"torch\.distributed.*")
     os.makedirs(args.dir, exist_ok=True)
-    log(f"building a {args.size_mb} MiB state")
+    progress = Progress(len(args.methods) * (1 + args.saves + args.interference_saves))
+    progress.update(label="building the state", force=True)
+    progress.log(f"building a {args.size_mb} MiB state")
     state = build_state(args.size_mb * MiB, args.seed)
     info = describe_state(state)
-    log(f"state: {info.tensors} tensors ({info.float32} fp32, {info.bfloat16} bf16), "
-        f"{info.tensor_bytes / MiB:.0f} MiB, {info.smallest} B .. {info.largest / MiB:.1f} MiB, + {info.objects} objects")
+    progress.log(f"state: {info.tensors} tensors ({info.float32} fp32, {info.bfloat16} bf16), "
+                 f"{info.tensor_bytes / MiB:.0f} MiB, {info.smallest} B .. {info.largest / MiB:.1f} MiB, + {info.objects} objects")
     loop = ComputeLoop(target_step_s=args.step_ms / 1000, threads=args.step_threads)
     settings = RunSettings(args.saves, args.interference_saves, args.idle_steps, not args.no_raw_probe,
                            args.sample_ms / 1000)
-    runner = Runner(state, args.dir, settings, loop)
+    runner = Runner(state, args.dir, settings, loop, progress)
     machine = machine_info(args.dir)
     results = []
     for name in args.methods:
-        log(f"=== {name}")
+        progress.log(f"=== {name}")
         results.append(runner.run(name))
+    progress.update(label="done")
+    progress.close()
     annotate(results, info.tensor_bytes)
     raw = runner.raw_gbps
     table = render_table(results, info.tensor_bytes, raw)

@@ -3,9 +3,10 @@
 bench_save.py runs this as a child so that sampling costs the trainer no GIL time (an in-process
 sampler thread holding the GIL stalls every tensor-by-tensor loop of the method being measured).
 
-    python pss_sampler.py PID INTERVAL_S
+    python pss_sampler.py PID INTERVAL_S [EXCLUDE_PID,...]
 
-Samples until stdin is closed or gets a line, then prints one JSON line:
+Descendants named in EXCLUDE_PID (and their own descendants) are left out: services the benchmark
+starts beside the trainer (a local S3 server) are not the trainer's memory. Samples until stdin is closed or gets a line, then prints one JSON line:
 {"peak": bytes, "root": bytes, "descendants": bytes, "samples": n, "pids": [...]} (at the peak).
 """
 
@@ -45,23 +46,23 @@ def children_of(pid: int) -> list[int]:
     return found
 
 
-def descendants(root: int, exclude: int) -> list[int]:
-    """Every descendant of `root`, leaving out `exclude` (this sampler) and its subtree."""
+def descendants(root: int, exclude: set[int]) -> list[int]:
+    """Every descendant of `root`, leaving out the processes in `exclude` and their subtrees."""
     out, todo = [], [root]
     while todo:
         for child in children_of(todo.pop()):
-            if child != exclude:
+            if child not in exclude:
                 out.append(child)
                 todo.append(child)
     return out
 
 
-def sample_until_stopped(root: int, interval_s: float) -> dict:
+def sample_until_stopped(root: int, interval_s: float, exclude: frozenset[int] = frozenset()) -> dict:
     """Sample every `interval_s` until stdin becomes readable; return the peak."""
-    me = os.getpid()
+    leave_out = {os.getpid(), *exclude}  # this sampler is a descendant too
     best = {"peak": 0, "root": 0, "descendants": 0, "samples": 0, "pids": []}
     while True:
-        pids = descendants(root, me)
+        pids = descendants(root, leave_out)
         root_pss = pss_bytes(root)
         child_pss = sum(pss_bytes(p) for p in pids)
         best["samples"] += 1
@@ -74,8 +75,9 @@ def sample_until_stopped(root: int, interval_s: float) -> dict:
 
 def main() -> None:
     root, interval_s = int(sys.argv[1]), float(sys.argv[2])
+    exclude = frozenset(int(p) for p in sys.argv[3].split(",") if p) if len(sys.argv) > 3 else frozenset()
     print("ready", flush=True)
-    print(json.dumps(sample_until_stopped(root, interval_s)), flush=True)
+    print(json.dumps(sample_until_stopped(root, interval_s, exclude)), flush=True)
 
 
 if __name__ == "__main__":
