@@ -11,45 +11,28 @@ import atexit
 import logging
 import os
 import time
+import uuid
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import Metadata
 
 from .client import WorkerClient
-from .commit import RankOutcome, SaveTarget, discard_uncommitted, finish_save, uncommit
-from .config import CheckpointConfig
+from .commit import RankOutcome, SaveTarget, discard_uncommitted, finish_save
+from .config import CheckpointConfig, eager_staging_threads
 from .errors import CheckpointError, CheckpointTimeoutError, WorkerDiedError
 from .loading import METADATA_FILE, latest_checkpoint, load, step_dir_name
 from .planning import Planning
 from .ranks import RankGroup
+from .inflight import InFlightSave
 from .report import SaveReport, publish
 from .protocol import SaveFailed, SaveRequest, Staged, WorkerSettings, WriteDone, WriteOptions
 from .snapshot import Snapshot, copies_warning, take_snapshot
 from .storage import is_remote, storage_for
 
 log = logging.getLogger("asyncckpt")
-
-
-@dataclass
-class _InFlight:
-    save_id: int
-    step: int
-    name: str
-    step_dir: str
-    metadata: Metadata
-    started: float
-    tensors_sent: int
-    plan_reused: bool
-    blocked_s: float = 0.0
-    backpressure_s: float = 0.0
-    collectives_before: int = 0
-    staged: Optional[Staged] = None
-    error: Optional[str] = None  # this rank's part failed before the worker could report
-    outcome: Optional[RankOutcome] = None  # kept until every rank has finished its part
 
 
 @dataclass
@@ -66,12 +49,6 @@ class _WorkerHolds:
 
 
 _live: "weakref.WeakSet[AsyncCheckpointer]" = weakref.WeakSet()
-
-
-def eager_staging_threads() -> int:
-    """Threads copying a CPU snapshot in eager mode: the trainer waits idle for the copy, so its
-    cores are free; a copy is memory-bound, and more than four threads gain nothing."""
-    return max(1, min(4, len(os.sched_getaffinity(0))))
 
 
 class AsyncCheckpointer:
@@ -100,7 +77,7 @@ class AsyncCheckpointer:
         self._planning = Planning(planner_factory)
         self._client: Optional[WorkerClient] = None
         self._holds: Optional[_WorkerHolds] = None
-        self._in_flight: Optional[_InFlight] = None
+        self._in_flight: Optional[InFlightSave] = None
         self._committed: list[SaveReport] = []
         self._next_save_id = 0
         self._closed = False
@@ -137,36 +114,36 @@ class AsyncCheckpointer:
             local = self._planning.local(state_dict, self._group.is_coordinator)
         except OSError as exc:
             problem = CheckpointError(f"checkpoint directory {step_dir!r} is not usable: {exc}")
-        except (CheckpointError, ValueError, TypeError) as exc:
+        except Exception as exc:  # every rank must reach the agreement, whatever went wrong here
             problem = exc
         changed, overwrite_any, failed = self._group.agree(
             [local is None or self._planning.changed(local), int(overwrite), int(problem is not None)], "schedule_save", step
         )
         if failed:
             self._raise_agreed_failure(problem, step)
-        if overwrite_any:  # the coordinator un-commits the old checkpoint before anyone writes
-            if self._group.is_coordinator:
-                log.warning("overwriting committed checkpoint %s", step_dir)
-                uncommit(self._storage, self.root, step_dir, name, self.config.fsync)
-            self._group.barrier()
+        file_tag = ""
+        if overwrite_any:  # new files get other names; the old checkpoint stays committed until ours is
+            file_tag = self._group.broadcast(f".{uuid.uuid4().hex[:8]}")
+            log.info("replacing committed checkpoint %s at commit (new files *%s)", step_dir, file_tag)
         planned = self._planning.build(local, self._group) if changed else self._planning.reuse(local)
-        flight = _InFlight(
+        flight = InFlightSave(
             0, step, name, step_dir, planned.metadata, started, 0, planned.reused_plan,
-            backpressure_s=backpressure_s, collectives_before=collectives_before,
+            backpressure_s=backpressure_s, collectives_before=collectives_before, file_tag=file_tag,
         )
         try:
             snapshot = take_snapshot(planned)
             self._warn_about_copies(snapshot)
             self._ensure_worker()
-            request = self._request_for(snapshot, step, step_dir)
+            request = self._request_for(snapshot, step, step_dir, file_tag)
             if snapshot.has_cuda:
                 torch.cuda.current_stream().synchronize()  # the worker must see finished values
             self._client.send(request, self.config.timeout_s)
             flight.save_id, flight.tensors_sent = request.save_id, len(request.fresh_tensors)
+            flight.deadline = time.monotonic() + self.config.timeout_s
             self._holds = _WorkerHolds(snapshot.structure_key, snapshot.fingerprints, snapshot.tensors)
         except Exception as exc:  # e.g. an entry that cannot be resolved or shared
             if self._group.size == 1:
-                discard_uncommitted(self._storage, step_dir)
+                discard_uncommitted(self._storage, step_dir, file_tag)
                 raise
             flight.error = f"{type(exc).__name__}: {exc}"  # raised on every rank by the next finalize
         self._in_flight = flight
@@ -188,10 +165,10 @@ class AsyncCheckpointer:
             flight.error = self._describe_failure(message)
             if self._group.size == 1:  # one rank: say it now; several: every rank says it at finalize
                 self._in_flight = None
-                discard_uncommitted(self._storage, flight.step_dir)
+                discard_uncommitted(self._storage, flight.step_dir, flight.file_tag)
                 raise CheckpointError(f"rank {self.rank} step {flight.step}: {flight.error}")
             return
-        flight.staged = message
+        self._mark_staged(flight, message)
 
     def guard(self, optimizer: torch.optim.Optimizer):
         """Make `optimizer.step()` wait for staging, so lazy saves cannot see later values.
@@ -247,7 +224,7 @@ class AsyncCheckpointer:
         self.close()
 
     # save path -------------------------------------------------------------------------------
-    def _request_for(self, snapshot: Snapshot, step: int, step_dir: str) -> SaveRequest:
+    def _request_for(self, snapshot: Snapshot, step: int, step_dir: str, file_tag: str) -> SaveRequest:
         held = self._holds
         known = self.config.cache_structure and held is not None and held.structure_key == snapshot.structure_key
         if known:
@@ -269,6 +246,7 @@ class AsyncCheckpointer:
             items=None if known else snapshot.items,
             fresh_tensors=fresh,
             byte_items=snapshot.objects,
+            file_tag=file_tag,
         )
 
     def _write_options(self) -> WriteOptions:
@@ -289,35 +267,16 @@ class AsyncCheckpointer:
             [not_done] = self._group.agree([0], "finalize", flight.step)
         if not_done:
             return
-        target = SaveTarget(self.root, flight.step, flight.name, flight.step_dir, flight.metadata)
+        target = SaveTarget(self.root, flight.step, flight.name, flight.step_dir, flight.metadata, flight.file_tag)
         verdict = finish_save(self._group, self._storage, target, outcome, self.config.fsync, self.config.keep_last)
         self._in_flight = None
         if not verdict.committed:
             raise CheckpointError(f"step {flight.step} not committed: {verdict.error}")
-        now = time.perf_counter()
-        durable_s = now - flight.started
-        report = SaveReport(
-            step=flight.step,
-            rank=self.rank,
-            path=flight.step_dir,
-            bytes=verdict.total_bytes,
-            blocked_s=flight.blocked_s,
-            backpressure_s=flight.backpressure_s,
-            staging_s=flight.staged.staging_s,
-            write_s=outcome.written.write_s,
-            commit_s=verdict.commit_s,
-            durable_s=durable_s,
-            throughput_gbps=verdict.total_bytes / durable_s / 1e9 if durable_s > 0 else 0.0,
-            worker_pid=flight.staged.worker_pid,
-            cache_hit=flight.staged.cache_hit,
-            tensors_sent=flight.tensors_sent,
-            plan_reused=flight.plan_reused,
-            collectives=self._group.collectives - flight.collectives_before,
-        )
+        report = flight.report(self.rank, verdict, outcome, self._group.collectives)
         self._committed.append(report)
         publish(report, self.config.metrics_path, self.config.on_commit)
 
-    def _local_outcome(self, flight: _InFlight, blocking: bool) -> Optional[RankOutcome]:
+    def _local_outcome(self, flight: InFlightSave, blocking: bool) -> Optional[RankOutcome]:
         """This rank's part: None while its worker still works; never raises for a failed save
         (the failure must reach every rank through the collective verdict)."""
         if flight.error is not None:
@@ -327,19 +286,32 @@ class AsyncCheckpointer:
             if flight.staged is None:
                 message = self._client.take(flight.save_id, (Staged, SaveFailed), timeout)
                 if message is None:
-                    return None
+                    return self._unless_overdue(flight, "Staged")
                 if isinstance(message, SaveFailed):
                     return RankOutcome(self.rank, error=self._describe_failure(message))
-                flight.staged = message
+                self._mark_staged(flight, message)
             message = self._client.take(flight.save_id, (WriteDone, SaveFailed), timeout)
+            if message is None:
+                return self._unless_overdue(flight, "WriteDone")
         except (CheckpointTimeoutError, WorkerDiedError) as exc:
             self._reset_worker(kill=True)  # it may still be writing; a fresh one serves the next save
             return RankOutcome(self.rank, error=str(exc))
-        if message is None:
-            return None
         if isinstance(message, SaveFailed):
             return RankOutcome(self.rank, error=self._describe_failure(message))
         return RankOutcome(self.rank, written=message)
+
+    def _mark_staged(self, flight: InFlightSave, staged: Staged) -> None:
+        flight.staged = staged
+        flight.deadline = time.monotonic() + self.config.timeout_s  # the writes get their own bound
+
+    def _unless_overdue(self, flight: InFlightSave, awaited: str) -> None:
+        """A non-blocking poll found no answer: fine, unless the save is past its bound."""
+        if time.monotonic() > flight.deadline:
+            raise CheckpointTimeoutError(
+                f"rank {self.rank}: no {awaited} from worker pid {self.worker_pid} within "
+                f"{self.config.timeout_s:.1f}s; killed it"
+            )
+        return None
 
     def _describe_failure(self, failed: SaveFailed) -> str:
         if failed.phase == "cache":

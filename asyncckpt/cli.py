@@ -19,7 +19,10 @@ from typing import Optional
 
 from .errors import CheckpointError
 from .formats import CHECKSUMS_FILE, decode_checksums
-from .loading import LATEST_FILE, METADATA_FILE, latest_checkpoint, list_checkpoints, parse_step, read_latest_marker, read_metadata
+from .loading import (
+    LATEST_FILE, METADATA_FILE, latest_checkpoint, list_checkpoints, parse_step, read_latest_marker, read_metadata,
+    sidecar_belongs_to,
+)
 from .safety import TRUST_HINT
 from .storage import Storage, is_remote, storage_for
 
@@ -244,9 +247,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if not storage.exists(sidecar):
         raise CliError(f"{path}: no {CHECKSUMS_FILE} (saved with checksums=False?); cannot verify", EXIT_UNREADABLE)
     try:
-        sums = {(e.fqn, e.offset): e for e in decode_checksums(storage.read_bytes(sidecar))}
+        data = storage.read_bytes(sidecar)
+        sums = {(e.fqn, e.offset): e for e in decode_checksums(data)}
     except (ValueError, KeyError, TypeError) as exc:
         raise CliError(f"{path}: cannot read {CHECKSUMS_FILE}: {exc!r}", EXIT_UNREADABLE) from None
+    if not sidecar_belongs_to(data, metadata):
+        raise CliError(f"{path}: {CHECKSUMS_FILE} belongs to another save of this step (an interrupted re-save); "
+                       "cannot verify", EXIT_UNREADABLE)
     items = sorted((metadata.storage_data or {}).items(), key=lambda kv: (kv[1].relative_path, kv[1].offset))
     progress = _Progress(sum(info.length for _, info in items), enabled=not args.quiet)
     damaged, unchecked = 0, 0

@@ -16,7 +16,7 @@ import torch.multiprocessing as tmp
 from multiprocessing.reduction import ForkingPickler
 
 from .errors import CheckpointTimeoutError, WorkerDiedError
-from .protocol import Ready, SaveRequest, Shutdown, WorkerSettings
+from .protocol import Ready, SaveFailed, SaveRequest, Shutdown, WorkerSettings
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +130,8 @@ class WorkerClient:
         deadline = time.monotonic() + (self._allowance(timeout_s) if timeout_s else 0)
         while True:
             for i, message in enumerate(self._inbox):
-                if getattr(message, "save_id", None) == save_id and isinstance(message, kinds):
+                unreadable = isinstance(message, SaveFailed) and message.save_id is None
+                if isinstance(message, kinds) and (getattr(message, "save_id", None) == save_id or unreadable):
                     self._unfetched = set()  # it answered, so it unpickled the request and took them all
                     return self._inbox.pop(i)
             remaining = deadline - time.monotonic()

@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from .formats import CHECKSUMS_FILE, ItemChecksum, encode_checksums
-from .loading import LATEST_FILE, METADATA_FILE, list_checkpoints, read_latest_marker
+from .loading import DATA_FILE_NAME, LATEST_FILE, METADATA_FILE, list_checkpoints, read_latest_marker
 from .errors import CheckpointError
 from .protocol import ItemWritten, WriteDone
 from .ranks import RankGroup
@@ -56,6 +56,7 @@ class SaveTarget:
     name: str
     step_dir: str
     metadata: Optional[Metadata]  # the global metadata; the coordinator's is the one used
+    file_tag: str = ""  # set when the save replaces a committed checkpoint of the same step
 
 
 def finish_save(
@@ -73,31 +74,48 @@ def finish_save(
 def _decide(storage: Storage, target: SaveTarget, outcomes: list[RankOutcome], fsync: bool, keep_last) -> Verdict:
     failures = [o for o in outcomes if o.error is not None]
     if failures:
-        discard_uncommitted(storage, target.step_dir)
+        discard_uncommitted(storage, target.step_dir, target.file_tag)
         return Verdict(False, "; ".join(f"rank {o.rank}: {o.error}" for o in failures))
     started = time.perf_counter()
     written = [item for o in outcomes for item in o.written.items]
     try:
         commit_checkpoint(storage, target.step_dir, target.metadata, written, fsync)
-        move_latest(storage, target.root, target.name, fsync)
-    except OSError as exc:
-        discard_uncommitted(storage, target.step_dir)
-        return Verdict(False, f"step {target.step}: commit failed in {target.step_dir}: {exc}")
+    except Exception as exc:  # any failure here must reach every rank through the verdict
+        discard_uncommitted(storage, target.step_dir, target.file_tag)
+        return Verdict(False, f"step {target.step}: commit failed in {target.step_dir}: {exc!r}")
     try:
+        if target.file_tag:
+            remove_replaced_files(storage, target.step_dir, written)
+        move_latest(storage, target.root, target.name, fsync)
         apply_retention(storage, target.root, keep_last)
-    except (OSError, CheckpointError) as exc:
-        log.warning("retention in %s failed (the new checkpoint is committed): %s", target.root, exc)
+    except Exception as exc:
+        log.warning("after committing %s: moving latest / retention failed: %r", target.step_dir, exc)
     total = sum(o.written.bytes_written for o in outcomes)
     return Verdict(True, None, total, time.perf_counter() - started)
 
 
-def discard_uncommitted(storage: Storage, step_dir: str) -> None:
-    """Remove what a failed save wrote; it was never committed, so nothing can depend on it."""
+def discard_uncommitted(storage: Storage, step_dir: str, file_tag: str = "") -> None:
+    """Remove what a failed save wrote; it was never committed, so nothing can depend on it.
+    A save that was replacing a committed checkpoint removes only its own (tagged) files."""
     try:
-        if storage.is_dir(step_dir) and not storage.exists(storage.join(step_dir, METADATA_FILE)):
+        if not storage.is_dir(step_dir):
+            return
+        if not storage.exists(storage.join(step_dir, METADATA_FILE)):
             storage.remove_tree(step_dir)
+        elif file_tag:
+            for name in storage.list_dir(step_dir):
+                if file_tag in name and DATA_FILE_NAME.match(name):
+                    storage.remove_file(storage.join(step_dir, name))
     except (OSError, CheckpointError) as exc:
-        log.warning("could not remove uncommitted %s: %s", step_dir, exc)
+        log.warning("could not remove uncommitted files in %s: %s", step_dir, exc)
+
+
+def remove_replaced_files(storage: Storage, step_dir: str, written: list[ItemWritten]) -> None:
+    """After a save replaced a committed checkpoint: delete the data files of the old one."""
+    current = {w.relative_path for w in written}
+    for name in storage.list_dir(step_dir):
+        if DATA_FILE_NAME.match(name) and name not in current:
+            storage.remove_file(storage.join(step_dir, name))
 
 
 def commit_checkpoint(
@@ -105,10 +123,11 @@ def commit_checkpoint(
 ) -> None:
     """Write the sidecar and `.metadata` for a save whose data files are all durable."""
     storage_data = {w.index: _StorageInfo(w.relative_path, w.offset, w.length) for w in written}
+    save_id = uuid.uuid4().hex
     final = dataclasses.replace(
         metadata,
         storage_data=storage_data,
-        storage_meta=StorageMeta(checkpoint_id=step_dir, save_id=uuid.uuid4().hex),
+        storage_meta=StorageMeta(checkpoint_id=step_dir, save_id=save_id),
         version=DCP_VERSION,
     )
     checksums = [
@@ -124,7 +143,7 @@ def commit_checkpoint(
         if w.crc32 is not None
     ]
     if checksums:
-        storage.write_atomic(storage.join(step_dir, CHECKSUMS_FILE), encode_checksums(checksums), fsync=fsync)
+        storage.write_atomic(storage.join(step_dir, CHECKSUMS_FILE), encode_checksums(checksums, save_id), fsync=fsync)
     if fsync:
         storage.sync_dir(step_dir)  # every data file's entry is durable before the commit
     storage.write_atomic(storage.join(step_dir, METADATA_FILE), pickle.dumps(final), fsync=fsync)
@@ -153,17 +172,3 @@ def apply_retention(storage: Storage, root: str, keep_last: int | None) -> list[
         log.debug("retention removed %s", ", ".join(deleted))
     return deleted
 
-
-def uncommit(storage: Storage, root: str, step_dir: str, name: str, fsync: bool) -> None:
-    """Make an existing step directory safe to write again: if `latest` names it, point `latest`
-    at the newest other committed checkpoint first; then remove its `.metadata` and old files."""
-    if read_latest_marker(root, storage) == name:
-        others = [c for c in list_checkpoints(root, storage) if c.committed and c.name != name]
-        if others:
-            move_latest(storage, root, others[-1].name, fsync)
-        else:
-            storage.remove_file(storage.join(root, LATEST_FILE))
-    storage.remove_file(storage.join(step_dir, METADATA_FILE))
-    for entry in storage.list_dir(step_dir):
-        if not storage.is_dir(storage.join(step_dir, entry)):  # subdirectories are not ours
-            storage.remove_file(storage.join(step_dir, entry))

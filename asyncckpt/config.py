@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -82,3 +83,9 @@ def _require_int(config: CheckpointConfig, name: str, minimum: int) -> None:
     value = getattr(config, name)
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         raise ValueError(f"CheckpointConfig.{name}={value!r} must be an integer >= {minimum}")
+
+
+def eager_staging_threads() -> int:
+    """Threads copying a CPU snapshot in eager mode: the trainer waits idle for the copy, so its
+    cores are free; a copy is memory-bound, and more than four threads gain nothing."""
+    return max(1, min(4, len(os.sched_getaffinity(0))))

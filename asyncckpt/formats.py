@@ -132,7 +132,9 @@ class ItemChecksum:
     crc32: int
 
 
-def encode_checksums(entries: list[ItemChecksum]) -> bytes:
+def encode_checksums(entries: list[ItemChecksum], save_id: str) -> bytes:
+    """The sidecar; `save_id` is the one in its `.metadata` (StorageMeta), so a sidecar left by a
+    save that never committed is recognised as not belonging to the checkpoint."""
     records = [
         {
             "fqn": e.fqn,
@@ -144,7 +146,7 @@ def encode_checksums(entries: list[ItemChecksum]) -> bytes:
         }
         for e in entries
     ]
-    return json.dumps({"algorithm": CHECKSUM_ALGORITHM, "items": records}, indent=0).encode()
+    return json.dumps({"algorithm": CHECKSUM_ALGORITHM, "save_id": save_id, "items": records}, indent=0).encode()
 
 
 def decode_checksums(data: bytes) -> list[ItemChecksum]:
@@ -162,6 +164,11 @@ def decode_checksums(data: bytes) -> list[ItemChecksum]:
         )
         for r in doc["items"]
     ]
+
+
+def checksums_save_id(data: bytes) -> Optional[str]:
+    """The save a sidecar belongs to (None: written before sidecars named it)."""
+    return json.loads(data).get("save_id")
 
 
 def crc32_of(data) -> int:

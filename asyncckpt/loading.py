@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from .errors import CheckpointError
-from .formats import CHECKSUMS_FILE, SAFETENSORS_SUFFIX, crc32_of, decode_checksums
+from .formats import CHECKSUMS_FILE, SAFETENSORS_SUFFIX, checksums_save_id, crc32_of, decode_checksums
 from .safety import TRUST_HINT, check_range, check_relative_path, load_metadata, load_object, load_tensor, raw_tensor
 from .storage import LocalStorage, Storage, storage_for
 
@@ -36,7 +36,7 @@ METADATA_FILE = ".metadata"
 LATEST_FILE = "latest"
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
 # what a save leaves in a step directory, and write_atomic's temp files (stock DCP: .metadata.tmp)
-_DATA_FILE = re.compile(r"^__\d+_\d+(\.distcp|\.safetensors)$")
+DATA_FILE_NAME = re.compile(r"^__\d+_\d+(\.[0-9a-f]{8})?(\.distcp|\.safetensors)$")
 _TEMP_FILE = re.compile(r"^\.(\.metadata|\.checksums\.json|latest)\.tmp-\d+$|^\.metadata\.tmp$|^\.asyncckpt-probe-[\w-]+$")
 
 
@@ -199,9 +199,13 @@ class SafeReader(StorageReader):
         if not self.storage.exists(sidecar):
             return {}
         try:
-            entries = decode_checksums(self.storage.read_bytes(sidecar))
+            data = self.storage.read_bytes(sidecar)
+            entries = decode_checksums(data)
         except (ValueError, KeyError, TypeError) as exc:
             raise CheckpointError(f"{sidecar}: unreadable checksums ({exc})") from exc
+        if not sidecar_belongs_to(data, self.metadata):
+            log.warning("%s belongs to another save of this step (an interrupted re-save); loading unchecked", sidecar)
+            return {}
         return {(e.relative_path, e.start, e.length): e.crc32 for e in entries}
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
@@ -265,14 +269,24 @@ class SafeReader(StorageReader):
         raise CheckpointError(f"{self.path}: no chunk in {METADATA_FILE} for {req.storage_index}")
 
 
+def sidecar_belongs_to(sidecar: bytes, metadata: Metadata) -> bool:
+    """Whether a checksums sidecar was written with this `.metadata` (older sidecars name no save)."""
+    ours = checksums_save_id(sidecar)
+    theirs = metadata.storage_meta.save_id if metadata.storage_meta is not None else None
+    return ours is None or theirs is None or ours == theirs
+
+
 def verify_checkpoint(path: str) -> list[str]:
     """Re-read every item with a checksum; return one line per damaged item (empty: intact)."""
     storage = storage_for(path)
     sidecar = storage.join(path, CHECKSUMS_FILE)
     if not storage.exists(sidecar):
         return [f"{path}: no {CHECKSUMS_FILE} (saved with checksums=False?)"]
+    data = storage.read_bytes(sidecar)
+    if not sidecar_belongs_to(data, read_metadata(path)):
+        return [f"{path}: {CHECKSUMS_FILE} belongs to another save of this step (an interrupted re-save); cannot verify"]
     problems = []
-    for entry in decode_checksums(storage.read_bytes(sidecar)):
+    for entry in decode_checksums(data):
         file = check_relative_path(storage, path, entry.relative_path)
         data = storage.read_bytes(file, entry.start, entry.length)
         name = entry.fqn if entry.offset is None else f"{entry.fqn}{list(entry.offset)}"
@@ -298,7 +312,7 @@ def cleanup(root: str, dry_run: bool = False) -> list[str]:
         if info.committed:
             leftovers += [storage.join(info.path, n) for n in names if _TEMP_FILE.match(n)]
             continue
-        foreign = [n for n in names if not (_DATA_FILE.match(n) or _TEMP_FILE.match(n) or n == CHECKSUMS_FILE)
+        foreign = [n for n in names if not (DATA_FILE_NAME.match(n) or _TEMP_FILE.match(n) or n == CHECKSUMS_FILE)
                    or storage.is_dir(storage.join(info.path, n))]
         if foreign:
             log.warning("cleanup: keeping %s: it holds %s, which a save does not write", info.path, ", ".join(foreign[:3]))

@@ -73,6 +73,7 @@ class SaveRequest:
     structure_key: str
     options: WriteOptions
     items: Optional[tuple[ItemSpec, ...]] = None
+    file_tag: str = ""  # in every data file name: a save replacing a committed step never touches its files
     fresh_tensors: dict[int, torch.Tensor] = field(default_factory=dict)
     byte_items: dict[int, bytes] = field(default_factory=dict)
 
@@ -125,10 +126,11 @@ class WriteDone:
 
 @dataclass(frozen=True)
 class SaveFailed:
-    """Worker -> trainer: the save failed in `phase` ("cache", "staging", "write"); `path` names
-    the file when one was involved. The worker keeps serving."""
+    """Worker -> trainer: the save failed in `phase` ("request", "cache", "staging", "write");
+    `path` names the file when one was involved. The worker keeps serving. `save_id` is None when
+    the request itself could not be read (it then fails the one save in flight)."""
 
-    save_id: int
+    save_id: Optional[int]
     phase: str
     message: str
     path: Optional[str] = None

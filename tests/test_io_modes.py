@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import glob
 import os
+import threading
 
+import psutil
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from asyncckpt import AsyncCheckpointer, CheckpointConfig, CheckpointError
+from asyncckpt import AsyncCheckpointer, CheckpointConfig, CheckpointError, latest_checkpoint, verify_checkpoint
+from asyncckpt.loading import read_latest_marker
 from conftest import assert_state_equal, clone_state, make_model_and_optimizer, make_state, zeros_like_state
 
 MODES = ["thread", "process"]
@@ -78,25 +81,48 @@ def test_oserror_in_one_writer_names_the_file_and_commits_nothing(ckpt_root, io)
 
 
 @pytest.mark.parametrize("io", MODES)
-def test_failure_when_overwriting_a_committed_step_leaves_it_uncommitted(ckpt_root, io):
-    """The step directory already holds a committed checkpoint and a stray subdirectory in the
-    way of a data file: the overwrite fails cleanly, and a retry succeeds."""
+def test_failed_resave_of_a_committed_step_keeps_it_committed(ckpt_root, io):
+    """Re-saving a step that is already committed (a resumed run saves the step it loaded): a save
+    that fails, by bad input or by a write error, leaves the old checkpoint committed, loadable and
+    named by `latest`; one that succeeds replaces it at its commit and leaves no old file."""
     state = {"w": torch.arange(1000.0), "b": torch.ones(10)}
+    expected_old = clone_state(state)
+    step_dir = step_path(ckpt_root, 2)
     with AsyncCheckpointer(ckpt_root, CheckpointConfig(io=io, io_workers=2)) as ckpt:
         ckpt.schedule_save(state, step=2)
         ckpt.finalize(blocking=True)
-        step_dir = step_path(ckpt_root, 2)
-        os.unlink(os.path.join(step_dir, "__0_1.distcp"))
-        os.makedirs(os.path.join(step_dir, "__0_1.distcp", "nested"))
-        with pytest.raises(CheckpointError, match=r"__0_1\.distcp"):
-            ckpt.schedule_save(state, step=2)
-            ckpt.finalize(blocking=True)
-        assert not os.path.exists(os.path.join(step_dir, ".metadata"))
+        old_files = sorted(os.listdir(step_dir))
+        state["w"].add_(1.0)
+
+        with pytest.raises(CheckpointError, match="lock"):  # bad input: refused before any write
+            ckpt.schedule_save({**state, "lock": threading.Lock()}, step=2)
+        worker = psutil.Process(ckpt.worker_pid)
+        limits = worker.rlimit(psutil.RLIMIT_FSIZE)
+        worker.rlimit(psutil.RLIMIT_FSIZE, (4096, limits[1]))  # the data files cannot be written
+        try:
+            with pytest.raises(CheckpointError, match="EFBIG"):
+                ckpt.schedule_save(state, step=2)
+                ckpt.finalize(blocking=True)
+        finally:
+            worker.rlimit(psutil.RLIMIT_FSIZE, limits)
+        assert sorted(os.listdir(step_dir)) == old_files  # nothing of the failed saves is left
+        assert read_latest_marker(ckpt_root) == "step_00000002"
+        assert latest_checkpoint(ckpt_root).step == 2
+        assert not verify_checkpoint(step_dir)
+        _assert_stock_load(step_dir, expected_old)
+
+        expected_new = clone_state(state)
         ckpt.schedule_save(state, step=2)
         assert [r.step for r in ckpt.finalize(blocking=True)] == [2]
+    assert not set(os.listdir(step_dir)) & {f for f in old_files if f.startswith("__")}
+    assert not verify_checkpoint(step_dir)
+    _assert_stock_load(step_dir, expected_new)
+
+
+def _assert_stock_load(step_dir: str, expected: dict) -> None:
     target = {"w": torch.zeros(1000), "b": torch.zeros(10)}
     dcp.load(target, checkpoint_id=step_dir, no_dist=True)
-    assert torch.equal(target["w"], state["w"]) and torch.equal(target["b"], state["b"])
+    assert torch.equal(target["w"], expected["w"]) and torch.equal(target["b"], expected["b"])
 
 
 @pytest.mark.parametrize("io", MODES)

@@ -20,6 +20,7 @@ import torch
 from asyncckpt import AsyncCheckpointer, CheckpointConfig, CheckpointError, CheckpointTimeoutError, load
 from asyncckpt import snapshot as snapshot_module
 from asyncckpt.loading import read_latest_marker
+from asyncckpt.protocol import SaveFailed
 from asyncckpt.snapshot import SHM_DIR, SharingNeeds, check_shm_space, ensure_fd_room, shared_memory_needed
 from conftest import assert_state_equal, clone_state, wait_gone, zeros_like_state
 
@@ -198,6 +199,61 @@ def test_stuck_worker_times_out_is_killed_and_replaced(ckpt_root):
         assert [r.step for r in ckpt.finalize(blocking=True)] == [3]
         assert ckpt.worker_pid != pid
         assert committed_steps(ckpt_root) == [1, 3]
+
+
+def test_non_blocking_finalize_fails_a_save_past_its_timeout(ckpt_root):
+    """A training loop that only ever polls finalize() still learns, within timeout_s, that its
+    worker stopped answering mid-write; every poll returns at once; the next save recovers."""
+    timeout_s = 2.0
+    state = big_state(8)
+    with AsyncCheckpointer(ckpt_root, config()) as ckpt:
+        ckpt.schedule_save(state, step=1)
+        ckpt.finalize(blocking=True)
+        retime(ckpt, timeout_s)
+        ckpt.schedule_save(state, step=2)  # staged: the worker writes now
+        pid = ckpt.worker_pid
+        os.kill(pid, signal.SIGSTOP)
+        started, longest_poll = time.monotonic(), 0.0
+        with pytest.raises(CheckpointError, match=rf"no WriteDone from worker pid {pid} within 2.0s"):
+            while time.monotonic() - started < timeout_s + 10:
+                poll_started = time.monotonic()
+                try:
+                    ckpt.finalize()
+                finally:
+                    longest_poll = max(longest_poll, time.monotonic() - poll_started)
+                time.sleep(0.05)
+        elapsed = time.monotonic() - started
+        print(f"\nnon-blocking polls failed the save after {elapsed:.2f}s; longest poll {longest_poll:.3f}s")
+        assert elapsed < timeout_s + 2 and longest_poll < 1.0
+        wait_gone(pid, 10)
+        retime(ckpt, 120.0)
+        ckpt.schedule_save(state, step=3)
+        assert [r.step for r in ckpt.finalize(blocking=True)] == [3]
+        assert committed_steps(ckpt_root) == [1, 3]
+
+
+class _FailsToUnpickle:
+    """Pickles fine in the trainer; rebuilding it in the worker raises (like a shared tensor
+    whose handle cannot be opened there)."""
+
+    def __reduce__(self):
+        return (int, ("not a number",))
+
+
+def test_request_the_worker_cannot_read_fails_the_save_and_the_worker_serves_on(ckpt_root):
+    state = big_state(1)
+    with AsyncCheckpointer(ckpt_root, config()) as ckpt:
+        ckpt.schedule_save(state, step=1)
+        ckpt.finalize(blocking=True)
+        pid = ckpt.worker_pid
+        client = ckpt._client
+        client.send(_FailsToUnpickle(), 30.0)
+        failed = client.take(12345, (SaveFailed,), 30.0)  # fails whichever save is in flight
+        assert failed.save_id is None and failed.phase == "request"
+        assert "could not read the save request" in failed.message and "not a number" in failed.message
+        ckpt.schedule_save(state, step=2)
+        [report] = ckpt.finalize(blocking=True)
+        assert report.worker_pid == pid
 
 
 @pytest.mark.timeout(90)

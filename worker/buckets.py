@@ -28,8 +28,8 @@ class Bucket:
     format: str = TORCH_SAVE
 
 
-def data_file_name(rank: int, n: int, fmt: str = TORCH_SAVE) -> str:
-    return f"__{rank}_{n}" + (SAFETENSORS_SUFFIX if fmt == SAFETENSORS else ".distcp")
+def data_file_name(rank: int, n: int, fmt: str = TORCH_SAVE, tag: str = "") -> str:
+    return f"__{rank}_{n}{tag}" + (SAFETENSORS_SUFFIX if fmt == SAFETENSORS else ".distcp")
 
 
 def make_buckets(
@@ -39,6 +39,7 @@ def make_buckets(
     io_workers: int,
     separation_hint: Optional[str] = None,
     fmt: str = TORCH_SAVE,
+    tag: str = "",
 ) -> list[Bucket]:
     """Split items into at most `io_workers` files per group, balancing bytes.
 
@@ -74,11 +75,11 @@ def make_buckets(
         buckets.extend(b for b in group if b.positions)
 
     for n, bucket in enumerate(buckets):
-        bucket.file_name = data_file_name(rank, n, fmt)
+        bucket.file_name = data_file_name(rank, n, fmt, tag)
         bucket.format = fmt
     objects = [p for p, spec in enumerate(items) if spec.kind != TENSOR]
     if fmt == SAFETENSORS and objects:
-        name = data_file_name(rank, len(buckets), TORCH_SAVE)
+        name = data_file_name(rank, len(buckets), TORCH_SAVE, tag)
         buckets.append(Bucket(name, objects, sum(object_sizes.get(p, 0) for p in objects)))
     return buckets
 

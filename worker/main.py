@@ -13,6 +13,7 @@ import signal
 import threading
 import time
 import traceback
+from typing import Optional
 
 import torch
 
@@ -44,6 +45,9 @@ class ServeLoop:
             except (EOFError, OSError):
                 log.info("trainer connection closed; exiting")
                 return
+            except Exception as exc:  # read whole, but not rebuilt (e.g. a shared tensor's handle)
+                self._fail(None, "request", f"could not read the save request: {type(exc).__name__}: {exc}")
+                continue
             if isinstance(message, Shutdown):
                 return
             if isinstance(message, SaveRequest):
@@ -75,7 +79,7 @@ class ServeLoop:
             log.debug("save %d failed in %s:\n%s", request.save_id, phase, traceback.format_exc())
             self._fail(request.save_id, phase, f"{type(exc).__name__}: {exc}")
 
-    def _fail(self, save_id: int, phase: str, message: str, path=None) -> None:
+    def _fail(self, save_id: Optional[int], phase: str, message: str, path=None) -> None:
         log.debug("save %d failed in %s: %s", save_id, phase, message)
         try:
             self.conn.send(SaveFailed(save_id, phase, message, path))

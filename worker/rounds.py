@@ -37,7 +37,7 @@ def run_save(
     options = request.options
     object_sizes = {pos: len(data) for pos, data in request.byte_items.items()}
     buckets = make_buckets(
-        entry.items, object_sizes, rank, options.io_workers, options.separation_hint, options.format
+        entry.items, object_sizes, rank, options.io_workers, options.separation_hint, options.format, request.file_tag
     )
     rounds = plan_rounds(entry.items, buckets, options.staging_budget_bytes)
     data = SaveData(entry.items, _views(entry, pool, rounds, options.staging_budget_bytes), request.byte_items, options)

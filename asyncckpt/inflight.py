@@ -1,0 +1,55 @@
+"""The one save in flight: what the trainer knows of it until it is committed or failed."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+from torch.distributed.checkpoint.metadata import Metadata
+
+from .commit import RankOutcome, Verdict
+from .protocol import Staged
+from .report import SaveReport
+
+
+@dataclass
+class InFlightSave:
+    save_id: int
+    step: int
+    name: str
+    step_dir: str
+    metadata: Metadata
+    started: float
+    tensors_sent: int
+    plan_reused: bool
+    blocked_s: float = 0.0
+    backpressure_s: float = 0.0
+    collectives_before: int = 0
+    file_tag: str = ""  # set when the save replaces a committed checkpoint of the same step
+    deadline: float = 0.0  # monotonic: past it, a poll that finds no answer fails the save (timeout_s)
+    staged: Optional[Staged] = None
+    error: Optional[str] = None  # this rank's part failed before the worker could report
+    outcome: Optional[RankOutcome] = None  # kept until every rank has finished its part
+
+    def report(self, rank: int, verdict: Verdict, outcome: RankOutcome, collectives_now: int) -> SaveReport:
+        """The figures of this save, once committed."""
+        durable_s = time.perf_counter() - self.started
+        return SaveReport(
+            step=self.step,
+            rank=rank,
+            path=self.step_dir,
+            bytes=verdict.total_bytes,
+            blocked_s=self.blocked_s,
+            backpressure_s=self.backpressure_s,
+            staging_s=self.staged.staging_s,
+            write_s=outcome.written.write_s,
+            commit_s=verdict.commit_s,
+            durable_s=durable_s,
+            throughput_gbps=verdict.total_bytes / durable_s / 1e9 if durable_s > 0 else 0.0,
+            worker_pid=self.staged.worker_pid,
+            cache_hit=self.staged.cache_hit,
+            tensors_sent=self.tensors_sent,
+            plan_reused=self.plan_reused,
+            collectives=collectives_now - self.collectives_before,
+        )
