@@ -5,18 +5,44 @@ step, and continues. Prints one line per committed save and a summary.
 
     python examples/train_loop.py --root checkpoints/example --fresh     # steps 0..199
     python examples/train_loop.py --root checkpoints/example --steps 300 # resumes at 200
+
+Self-check: every save also records a digest of each tensor of the model and optimizer state; on
+resume the restored tensors must match those digests exactly, or the script exits non-zero.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import logging
 import shutil
 import time
 
 import torch
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.stateful import Stateful
 
 from asyncckpt import AsyncCheckpointer, CheckpointConfig
+
+
+class TrainState(Stateful):
+    """Model + optimizer as one DCP Stateful, through DCP's get_state_dict / set_state_dict.
+
+    Don't put a bare optimizer in the state dict: DCP loads into the structure that
+    `state_dict()` returns, and a fresh optimizer's is empty until its first `step()`, so a
+    resume would silently skip exp_avg, exp_avg_sq and step. `get_state_dict` creates that state
+    first (and keys it by parameter name), so loading fills it."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.model, self.optimizer = model, optimizer
+
+    def state_dict(self):
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        return {"model": model_sd, "optim": optim_sd}
+
+    def load_state_dict(self, sd) -> None:
+        set_state_dict(self.model, self.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
 
 
 def make_model() -> torch.nn.Module:
@@ -48,8 +74,10 @@ def main() -> None:
     torch.manual_seed(0)
     model = make_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    progress = {"step": 0, "weights_sum": 0.0}
-    state = {"model": model, "optim": optimizer, "progress": progress}
+    train = TrainState(model, optimizer)
+    # "digests" is one JSON string, not a dict: DCP only loads the keys the target already has
+    progress = {"step": -1, "digests": ""}
+    state = {"train": train, "progress": progress}
 
     config = CheckpointConfig(io=args.io, keep_last=args.keep_last)
     with AsyncCheckpointer(args.root, config) as ckpt:
@@ -59,10 +87,9 @@ def main() -> None:
             start = 0
         else:
             start = progress["step"] + 1
-            restored = weights_sum(model)
-            if restored != progress["weights_sum"]:
-                raise SystemExit(f"resume check failed: weights sum {restored} != saved {progress['weights_sum']}")
-            print(f"resumed from step {resumed}: weights match the save (sum {restored:.6f}); continuing at step {start}")
+            checked = check_resume(train, progress, resumed)
+            print(f"resumed from step {resumed}: weights and optimizer state match the save "
+                  f"({checked} tensors); continuing at step {start}")
         reports, losses, t0 = [], [], time.perf_counter()
         for step in range(start, args.steps):
             for report in ckpt.finalize():  # non-blocking: commits saves whose writes ended
@@ -76,7 +103,7 @@ def main() -> None:
             losses.append(loss.item())
             if step % args.save_every == 0 or step == args.steps - 1:
                 progress["step"] = step
-                progress["weights_sum"] = weights_sum(model)
+                progress["digests"] = json.dumps(tensor_digests(train))
                 ckpt.schedule_save(state, step=step)
         for report in ckpt.close():
             reports.append(report)
@@ -94,8 +121,36 @@ def main() -> None:
         print(f"summary: nothing to do (already at step {args.steps})")
 
 
-def weights_sum(model: torch.nn.Module) -> float:
-    return float(sum(p.detach().double().sum() for p in model.parameters()))
+# Self-check ------------------------------------------------------------------------------------
+def tensor_digests(train: TrainState) -> dict[str, str]:
+    """A digest of the exact bytes of every weight and every optimizer state tensor (exp_avg,
+    exp_avg_sq, step of each parameter), by name."""
+    sd = train.state_dict()
+    tensors = {f"model.{name}": t for name, t in sd["model"].items()}
+    for param, per_param in sd["optim"]["state"].items():
+        tensors.update({f"optim.{param}.{key}": value for key, value in per_param.items()})
+    # hash a copy: exporting the live tensors to NumPy would pin their storage, which the
+    # checkpointer would then have to copy into shared memory on every save
+    return {
+        name: hashlib.blake2b(torch.as_tensor(t).detach().cpu().clone().numpy(), digest_size=16).hexdigest()
+        for name, t in sorted(tensors.items())
+    }
+
+
+def check_resume(train: TrainState, progress: dict, resumed: int) -> int:
+    """Exit non-zero unless the state just loaded is exactly what was saved at step `resumed`."""
+    saved = json.loads(progress["digests"] or "{}")
+    restored = tensor_digests(train)
+    wrong = sorted(name for name in saved.keys() | restored.keys() if saved.get(name) != restored.get(name))
+    if progress["step"] != resumed or not saved:
+        raise SystemExit(f"resume check failed: the checkpoint of step {resumed} loaded no digests of its state")
+    if wrong:
+        more = " ..." if len(wrong) > 6 else ""
+        raise SystemExit(
+            f"resume check failed at step {resumed}: {len(wrong)} of {len(saved)} saved tensors differ after "
+            f"loading: {', '.join(wrong[:6])}{more}"
+        )
+    return len(saved)
 
 
 def print_report(report) -> None:
