@@ -5,6 +5,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
 import time
 
 import pytest
@@ -19,6 +24,7 @@ from asyncckpt.ranks import collective_timeout_s
 from multirank import run_ranks
 
 ROWS, COLS = 8, 12
+WRITE_PAUSE_S = 0.8
 
 
 def full_matrix(step: int) -> torch.Tensor:
@@ -74,6 +80,7 @@ def _load_resharded(rank: int, world: int, path: str, step: int) -> None:
     dcp.load(target, checkpoint_id=path)
     assert torch.equal(target["sharded"].full_tensor(), full_matrix(step))
     assert torch.equal(target["replicated"]["w"], torch.linspace(0, 1, 64) + step)
+    assert torch.equal(target["replicated"]["scale"], torch.tensor(2.0 + step))
     assert target["meta"]["step"] == step
 
 
@@ -84,7 +91,7 @@ def test_ranks_save_one_checkpoint_that_stock_dcp_loads_resharded(world, tmp_pat
     path = os.path.join(root, "step_00000003")
     assert sorted(f for f in os.listdir(path) if f.endswith(".distcp")) == sorted(
         f"__{r}_{n}.distcp" for r in range(world) for n in range(2)
-    ) or all(f.startswith("__") for f in os.listdir(path) if f.endswith(".distcp"))
+    )  # every rank wrote its own io_workers files
 
     # one process, no process group, plain full tensors: a different world size
     target = {
@@ -138,29 +145,82 @@ def test_writer_failure_on_one_rank_raises_on_every_rank(tmp_path):
 def _poll_every_step(rank: int, world: int, root: str, out: str) -> None:
     mesh = init_device_mesh("cpu", (world,))
     big = {"big": torch.randn(4 << 20), **rank_state(rank, world, 0, mesh)}
-    polls, committed = [], []
+    polls, commit_polls, committed = [], [], []
     with AsyncCheckpointer(root, CheckpointConfig(io_workers=1)) as ckpt:
+        group = ckpt._group.pg
+        all_reduces = []
+        for _ in range(20):  # the agreement alone, on the same group
+            started = time.perf_counter()
+            dist.all_reduce(torch.zeros(9, dtype=torch.int64), group=group)
+            all_reduces.append(time.perf_counter() - started)
         for step in range(3):
             ckpt.schedule_save(big, step=step)
-            for _ in range(20):  # "training steps", each polling without blocking
+            if rank == 0:  # rank 0's writes cannot end for WRITE_PAUSE_S: a poll must not wait for them
+                os.kill(ckpt.worker_pid, signal.SIGSTOP)
+                threading.Timer(WRITE_PAUSE_S, os.kill, (ckpt.worker_pid, signal.SIGCONT)).start()
+            deadline = time.monotonic() + 30
+            while len(committed) <= step and time.monotonic() < deadline:  # training steps, each polling
                 started = time.perf_counter()
-                committed += [r.step for r in ckpt.finalize()]
-                polls.append(time.perf_counter() - started)
+                reports = ckpt.finalize()
+                (commit_polls if reports else polls).append(time.perf_counter() - started)
+                committed += [r.step for r in reports]
                 time.sleep(0.005)
-        committed += [r.step for r in ckpt.finalize(blocking=True)]
-    assert committed == [0, 1, 2]
+    assert committed == [0, 1, 2]  # in order, each once, by polls alone
     if rank == 0:
         with open(out, "w") as f:
-            json.dump(sorted(polls), f)
+            json.dump({"polls": sorted(polls), "all_reduce": sorted(all_reduces)}, f)
 
 
 def test_non_blocking_finalize_costs_only_the_agreement(tmp_path):
+    """A poll that commits nothing costs the all-reduce and never waits for the writes."""
     out = str(tmp_path / "polls.json")
     run_ranks(_poll_every_step, 2, str(tmp_path / "ckpt"), out)
     with open(out) as f:
-        polls = json.load(f)
-    median = polls[len(polls) // 2]
-    assert median < 0.05, f"median non-blocking finalize {median:.3f}s"
+        result = json.load(f)
+    polls, all_reduce = result["polls"], result["all_reduce"]
+    median, longest = polls[len(polls) // 2], polls[-1]
+    reduce_median = all_reduce[len(all_reduce) // 2]
+    print(f"\n{len(polls)} polls: median {median * 1e3:.2f} ms, max {longest * 1e3:.1f} ms; "
+          f"all-reduce median {reduce_median * 1e3:.2f} ms")
+    assert len(polls) > 3 * 20  # the saves were pending across many polls
+    assert median < 3 * reduce_median + 0.002, (median, reduce_median)
+    assert longest < WRITE_PAUSE_S / 2, longest  # no poll waited for the paused writes
+
+
+def _save_over_own_group(rank: int, world: int, root: str) -> None:
+    group = dist.new_group(backend="gloo")
+    with AsyncCheckpointer(root, CheckpointConfig(io_workers=1), process_group=group) as ckpt:
+        assert ckpt._group.pg is group
+        for step in (1, 2):
+            ckpt.schedule_save({f"r{rank}": torch.full((3,), float(step + rank))}, step=step)
+            assert [r.step for r in ckpt.finalize(blocking=True)] == [step]
+
+
+def test_a_process_group_passed_in_carries_the_saves(tmp_path):
+    root = str(tmp_path / "ckpt")
+    run_ranks(_save_over_own_group, 2, root)
+    target = {"r0": torch.zeros(3), "r1": torch.zeros(3)}
+    dcp.load(target, checkpoint_id=os.path.join(root, "step_00000002"), no_dist=True)
+    assert torch.equal(target["r0"], torch.full((3,), 2.0)) and torch.equal(target["r1"], torch.full((3,), 3.0))
+
+
+def test_a_process_group_that_cannot_carry_cpu_collectives_is_refused(tmp_path):
+    """An NCCL-only group cannot all-reduce CPU tensors; stand in with torch's fake backend."""
+    script = textwrap.dedent(f'''
+        import torch.distributed as dist
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+        from asyncckpt import AsyncCheckpointer, CheckpointError
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+        try:
+            AsyncCheckpointer({str(tmp_path / "ckpt")!r}, process_group=dist.group.WORLD)
+        except CheckpointError as exc:
+            print("refused:", exc)
+    ''')
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "refused: process group backend 'fake' cannot carry" in done.stdout
+    assert "process_group=dist.new_group(backend='gloo')" in done.stdout
+    assert not os.path.exists(tmp_path / "ckpt")  # refused before anything was created
 
 
 def _mismatched_calls(rank: int, world: int, root: str) -> None:
