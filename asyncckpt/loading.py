@@ -15,6 +15,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed._shard._utils import narrow_tensor_by_index
@@ -104,7 +105,8 @@ def load(
     if not storage.exists(storage.join(path, METADATA_FILE)):
         raise CheckpointError(f"{path!r} is not a committed checkpoint (no {METADATA_FILE})")
     reader = SafeReader(path, trusted=trusted)
-    reader.read_metadata()  # a refused .metadata fails here, with its own message, on every rank
+    metadata = reader.read_metadata()  # a refused .metadata fails here, with its own message, on every rank
+    check_no_stateless_optimizer(state_dict, metadata, path)
     if verify:
         problems = verify_checkpoint(path)
         if problems:
@@ -124,6 +126,24 @@ def load(
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             raise
         raise CheckpointError(f"loading {path!r} failed: {exc}") from exc
+
+
+def check_no_stateless_optimizer(state_dict: dict[str, Any], metadata: Metadata, path: str, prefix: str = "") -> None:
+    """DCP loads only the keys the target already has. A fresh optimizer has no state yet, so its
+    saved moments would be dropped without a word: refuse instead, saying what to do."""
+    for key, value in state_dict.items():
+        fqn = f"{prefix}{key}"
+        if isinstance(value, dict):
+            check_no_stateless_optimizer(value, metadata, path, f"{fqn}.")
+        elif isinstance(value, torch.optim.Optimizer) and not value.state:
+            saved = [k for k in metadata.state_dict_metadata if k.startswith(f"{fqn}.state.")]
+            if saved:
+                raise CheckpointError(
+                    f"{path!r}: the optimizer at {fqn!r} has no state yet, so its {len(saved)} saved state "
+                    "entries would be silently dropped; save and load model and optimizer through "
+                    "torch.distributed.checkpoint.state_dict.get_state_dict / set_state_dict (see the README), "
+                    "or load after the optimizer's first step"
+                )
 
 
 def read_metadata(path: str, *, trusted: bool = False, name: str = METADATA_FILE) -> Metadata:

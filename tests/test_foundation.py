@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from asyncckpt import AsyncCheckpointer, CheckpointConfig, CheckpointError, load
 from asyncckpt.storage import is_remote, storage_for
@@ -226,6 +227,44 @@ def test_load_latest_returns_none_then_the_step(ckpt_root):
         target = {"w": torch.zeros(8)}
         assert ckpt.load_latest(target) == 3
     assert torch.equal(target["w"], torch.arange(8.0))
+
+
+class TrainState:
+    """Model and optimizer as DCP's own tutorial wraps them: get_state_dict creates the
+    optimizer's state entries, so a load into a fresh optimizer fills them."""
+
+    def __init__(self, model, optimizer):
+        self.model, self.optimizer = model, optimizer
+
+    def state_dict(self):
+        model, optim = get_state_dict(self.model, self.optimizer)
+        return {"model": model, "optim": optim}
+
+    def load_state_dict(self, state):
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+@pytest.mark.local_only
+def test_resume_restores_optimizer_state_and_refuses_to_drop_it(ckpt_root):
+    """A fresh optimizer passed as it is has no state for DCP to load into: refused, not dropped.
+    Wrapped with get_state_dict/set_state_dict, its moments come back exactly."""
+    model, optimizer = make_model_and_optimizer(seed=1)
+    with AsyncCheckpointer(ckpt_root) as ckpt:
+        ckpt.schedule_save({"model": model, "optim": optimizer}, step=1)
+        ckpt.schedule_save({"train": TrainState(model, optimizer)}, step=2)
+        ckpt.finalize(blocking=True)
+    expected = clone_state(optimizer.state_dict()["state"])
+
+    fresh_model, fresh_optimizer = make_model_and_optimizer(seed=2)
+    fresh_optimizer.state.clear()  # as built, before its first step
+    with pytest.raises(CheckpointError, match=r"optimizer at 'optim' has no state yet.*get_state_dict"):
+        load({"model": fresh_model, "optim": fresh_optimizer}, step_path(ckpt_root, 1))
+    fresh_model, fresh_optimizer = make_model_and_optimizer(seed=2)
+    fresh_optimizer.state.clear()
+    fresh_optimizer.zero_grad(set_to_none=True)  # as built: no state, no gradients
+    load({"train": TrainState(fresh_model, fresh_optimizer)}, step_path(ckpt_root, 2))
+    assert_state_equal(fresh_optimizer.state_dict()["state"], expected)
+    assert_state_equal(fresh_model.state_dict(), model.state_dict())
 
 
 def _tensors(obj):
