@@ -13,12 +13,11 @@ import subprocess
 import sys
 import time
 import traceback
-import zlib
 from pathlib import Path
 from typing import Optional
 
 from .errors import CheckpointError
-from .formats import CHECKSUMS_FILE, decode_checksums
+from .formats import CHECKSUMS_FILE, Sidecar, decode_checksums
 from .loading import (
     LATEST_FILE, METADATA_FILE, latest_checkpoint, list_checkpoints, parse_step, read_latest_marker, read_metadata,
     sidecar_belongs_to,
@@ -247,11 +246,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if not storage.exists(sidecar):
         raise CliError(f"{path}: no {CHECKSUMS_FILE} (saved with checksums=False?); cannot verify", EXIT_UNREADABLE)
     try:
-        data = storage.read_bytes(sidecar)
-        sums = {(e.fqn, e.offset): e for e in decode_checksums(data)}
+        checksums = decode_checksums(storage.read_bytes(sidecar))
     except (ValueError, KeyError, TypeError) as exc:
         raise CliError(f"{path}: cannot read {CHECKSUMS_FILE}: {exc!r}", EXIT_UNREADABLE) from None
-    if not sidecar_belongs_to(data, metadata):
+    sums = {(e.fqn, e.offset): e for e in checksums.items}
+    if not sidecar_belongs_to(checksums, metadata):
         raise CliError(f"{path}: {CHECKSUMS_FILE} belongs to another save of this step (an interrupted re-save); "
                        "cannot verify", EXIT_UNREADABLE)
     items = sorted((metadata.storage_data or {}).items(), key=lambda kv: (kv[1].relative_path, kv[1].offset))
@@ -262,7 +261,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         name = index.fqn if offset is None else f"{index.fqn}{list(offset)}"
         expected = sums.get((index.fqn, offset))
         unchecked += expected is None
-        problem = _check_item(storage, path, info, expected, name, progress)
+        problem = _check_item(storage, path, info, expected, checksums, name, progress)
         if problem:
             damaged += 1
             progress.clear()
@@ -276,7 +275,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check_item(storage: Storage, path: str, info, expected, name: str, progress: _Progress) -> Optional[str]:
+def _check_item(storage: Storage, path: str, info, expected, checksums: Sidecar, name: str, progress: _Progress) -> Optional[str]:
     """Re-read one item's byte range in chunks; the problem in words, or None when intact."""
     if expected is not None and (expected.relative_path, expected.start, expected.length) != (info.relative_path, info.offset, info.length):
         return f"{CHECKSUMS_FILE} and {METADATA_FILE} disagree on its location"
@@ -286,7 +285,7 @@ def _check_item(storage: Storage, path: str, info, expected, name: str, progress
             data = storage.read_bytes(file, info.offset + read, min(_READ_CHUNK, info.length - read))
             if not data:
                 break
-            crc, read = zlib.crc32(data, crc), read + len(data)
+            crc, read = checksums.checksum(data, crc), read + len(data)
             progress.advance(len(data), name)
     except OSError as exc:
         progress.advance(info.length - read, name)
@@ -295,7 +294,7 @@ def _check_item(storage: Storage, path: str, info, expected, name: str, progress
         progress.advance(info.length - read, name)
         return f"truncated: {read} of {info.length} bytes at offset {info.offset}"
     if expected is not None and crc != expected.crc32:
-        return f"checksum mismatch in bytes {info.offset}..{info.offset + info.length} (crc32 {crc:08x}, expected {expected.crc32:08x})"
+        return f"checksum mismatch in bytes {info.offset}..{info.offset + info.length} ({checksums.algorithm} {crc:08x}, expected {expected.crc32:08x})"
     return None
 
 
@@ -327,7 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
     inspect = _command(sub, cmd_inspect, "PATH", where, "list every tensor and object in a checkpoint",
                        "Every tensor and object of a committed checkpoint: dtype, shape, size, stored bytes, file.")
     verify = _command(sub, cmd_verify, "PATH", where, "re-read every item and check its checksum",
-                      f"Re-read every item of a committed checkpoint and check its CRC32 from {CHECKSUMS_FILE}; exit 1 on damage.")
+                      f"Re-read every item of a committed checkpoint and check its checksum (CRC32C) from {CHECKSUMS_FILE}; exit 1 on damage.")
     verify.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     for command in (inspect, verify):
         command.add_argument("--trusted", action="store_true", help=f"unpickle {METADATA_FILE} fully instead of refusing "

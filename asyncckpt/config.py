@@ -26,7 +26,7 @@ class CheckpointConfig:
     cache_structure: send only a structure key to the worker when nothing was reallocated.
     format: "torch_save" (stock DCP reader) or "safetensors" (one safetensors file per bucket).
     fsync: fsync every data file, the metadata and the directories.
-    checksums: record a CRC32 per item, checked by `load(..., verify=True)` and `verify`.
+    checksums: record a CRC32C per item, checked by `load(..., verify=True)` and `verify`.
     keep_last: keep this many newest committed checkpoints (None keeps all).
     timeout_s: bound on waiting for staging and, separately, for the writes of one save (a fresh
         worker's start-up, a torch import, is bounded separately by 300 s).

@@ -12,14 +12,16 @@ import json
 import struct
 import zlib
 from dataclasses import dataclass
-from typing import Iterable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
+import google_crc32c
+import numpy as np
 import torch
 
 from .storage import WriteHandle
 
 CHECKSUMS_FILE = ".checksums.json"
-CHECKSUM_ALGORITHM = "crc32"
+CHECKSUM_ALGORITHM = "crc32c"  # hardware CRC32C: about 9 GiB/s a core here, zlib's CRC32 2.6
 TORCH_SAVE = "torch_save"
 SAFETENSORS = "safetensors"
 SAFETENSORS_SUFFIX = ".safetensors"
@@ -27,7 +29,7 @@ DCP_SHARDING_INFO = "DCP_SHARDING_INFO"  # the key DCP's HuggingFaceStorageReade
 
 
 class ItemSink:
-    """File-like view of a WriteHandle that tracks the offset and the CRC32 of the current item.
+    """File-like view of a WriteHandle that tracks the offset and the CRC32C of the current item.
 
     `offset` starts where the file already ends (a file is appended to across staging rounds).
     `stream_record` lets one large record of a torch.save archive come from elsewhere: when
@@ -52,7 +54,7 @@ class ItemSink:
     def _write(self, data) -> int:
         n = self._handle.write(data)
         if self._checksums:
-            self._crc = zlib.crc32(data, self._crc)
+            self._crc = crc32c(data, self._crc)
         self.offset += n
         return n
 
@@ -118,7 +120,7 @@ def write_object_bytes(sink: ItemSink, data: bytes) -> None:
 
 def use_fast_serialization() -> None:
     """Turn off torch.save's own CRC32 in this process (the worker only): measured at 0.28 GiB/s,
-    it would cap writes far below the disk; our zlib CRC32 (about 3.7 GiB/s) replaces it."""
+    it would cap writes far below the disk; our CRC32C (about 9 GiB/s a core) replaces it."""
     torch.serialization.set_crc32_options(False)
 
 
@@ -132,9 +134,29 @@ class ItemChecksum:
     crc32: int
 
 
+def crc32c(data, value: int = 0) -> int:
+    """CRC32C of any bytes-like object, continuing from `value` (the GIL is released)."""
+    return google_crc32c.extend(value, np.frombuffer(data, dtype=np.uint8))
+
+
+CHECKSUM_FUNCTIONS: dict[str, Callable[..., int]] = {"crc32c": crc32c, "crc32": zlib.crc32}  # crc32: older sidecars
+
+
+@dataclass(frozen=True)
+class Sidecar:
+    """The checksums of one save: `save_id` is the one in its `.metadata` (StorageMeta), so a
+    sidecar left by a save that never committed is recognised as not belonging to the checkpoint
+    (None in sidecars written before it was recorded)."""
+
+    algorithm: str
+    save_id: Optional[str]
+    items: list[ItemChecksum]
+
+    def checksum(self, data, value: int = 0) -> int:
+        return CHECKSUM_FUNCTIONS[self.algorithm](data, value)
+
+
 def encode_checksums(entries: list[ItemChecksum], save_id: str) -> bytes:
-    """The sidecar; `save_id` is the one in its `.metadata` (StorageMeta), so a sidecar left by a
-    save that never committed is recognised as not belonging to the checkpoint."""
     records = [
         {
             "fqn": e.fqn,
@@ -149,11 +171,11 @@ def encode_checksums(entries: list[ItemChecksum], save_id: str) -> bytes:
     return json.dumps({"algorithm": CHECKSUM_ALGORITHM, "save_id": save_id, "items": records}, indent=0).encode()
 
 
-def decode_checksums(data: bytes) -> list[ItemChecksum]:
+def decode_checksums(data: bytes) -> Sidecar:
     doc = json.loads(data)
-    if doc.get("algorithm") != CHECKSUM_ALGORITHM:
+    if doc.get("algorithm") not in CHECKSUM_FUNCTIONS:
         raise ValueError(f"unknown checksum algorithm {doc.get('algorithm')!r}")
-    return [
+    items = [
         ItemChecksum(
             fqn=r["fqn"],
             offset=tuple(r["offset"]) if r["offset"] is not None else None,
@@ -164,15 +186,7 @@ def decode_checksums(data: bytes) -> list[ItemChecksum]:
         )
         for r in doc["items"]
     ]
-
-
-def checksums_save_id(data: bytes) -> Optional[str]:
-    """The save a sidecar belongs to (None: written before sidecars named it)."""
-    return json.loads(data).get("save_id")
-
-
-def crc32_of(data) -> int:
-    return zlib.crc32(data)
+    return Sidecar(doc["algorithm"], doc.get("save_id"), items)
 
 
 # safetensors ------------------------------------------------------------------------------------

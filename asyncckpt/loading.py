@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from .errors import CheckpointError
-from .formats import CHECKSUMS_FILE, SAFETENSORS_SUFFIX, checksums_save_id, crc32_of, decode_checksums
+from .formats import CHECKSUMS_FILE, SAFETENSORS_SUFFIX, Sidecar, decode_checksums
 from .safety import TRUST_HINT, check_range, check_relative_path, load_metadata, load_object, load_tensor, raw_tensor
 from .storage import LocalStorage, Storage, storage_for
 
@@ -192,6 +192,7 @@ class SafeReader(StorageReader):
             self.storage = storage_for(self.path)
         self.metadata: Optional[Metadata] = None
         self.checksums: dict[tuple[str, int, int], int] = {}
+        self.sidecar: Optional[Sidecar] = None
 
     @property
     def checkpoint_id(self) -> str:
@@ -213,20 +214,20 @@ class SafeReader(StorageReader):
         self.checksums = self._load_checksums()
 
     def _load_checksums(self) -> dict[tuple[str, int, int], int]:
-        """(file, offset, length) -> CRC32 from the sidecar, so every item is checked as it is read
-        (no second pass over the data). Checkpoints without a sidecar load unchecked."""
-        sidecar = self.storage.join(self.path, CHECKSUMS_FILE)
-        if not self.storage.exists(sidecar):
+        """(file, offset, length) -> checksum from the sidecar, so every item is checked as it is
+        read (no second pass over the data). Checkpoints without a sidecar load unchecked."""
+        path = self.storage.join(self.path, CHECKSUMS_FILE)
+        if not self.storage.exists(path):
             return {}
         try:
-            data = self.storage.read_bytes(sidecar)
-            entries = decode_checksums(data)
+            sidecar = decode_checksums(self.storage.read_bytes(path))
         except (ValueError, KeyError, TypeError) as exc:
-            raise CheckpointError(f"{sidecar}: unreadable checksums ({exc})") from exc
-        if not sidecar_belongs_to(data, self.metadata):
-            log.warning("%s belongs to another save of this step (an interrupted re-save); loading unchecked", sidecar)
+            raise CheckpointError(f"{path}: unreadable checksums ({exc})") from exc
+        if not sidecar_belongs_to(sidecar, self.metadata):
+            log.warning("%s belongs to another save of this step (an interrupted re-save); loading unchecked", path)
             return {}
-        return {(e.relative_path, e.start, e.length): e.crc32 for e in entries}
+        self.sidecar = sidecar
+        return {(e.relative_path, e.start, e.length): e.crc32 for e in sidecar.items}
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
@@ -261,7 +262,7 @@ class SafeReader(StorageReader):
         if len(data) != info.length:
             raise CheckpointError(f"{what} is truncated ({len(data)} of {info.length} bytes)")
         expected_crc = self.checksums.get((info.relative_path, info.offset, info.length))
-        if expected_crc is not None and crc32_of(data) != expected_crc:
+        if expected_crc is not None and self.sidecar.checksum(data) != expected_crc:
             raise CheckpointError(f"{what}: checksum mismatch (the data file is damaged)")
         if info.transform_descriptors:
             data = self._transforms.transform_load_stream(req, info.transform_descriptors, io.BytesIO(data)).read()
@@ -289,11 +290,10 @@ class SafeReader(StorageReader):
         raise CheckpointError(f"{self.path}: no chunk in {METADATA_FILE} for {req.storage_index}")
 
 
-def sidecar_belongs_to(sidecar: bytes, metadata: Metadata) -> bool:
+def sidecar_belongs_to(sidecar: Sidecar, metadata: Metadata) -> bool:
     """Whether a checksums sidecar was written with this `.metadata` (older sidecars name no save)."""
-    ours = checksums_save_id(sidecar)
     theirs = metadata.storage_meta.save_id if metadata.storage_meta is not None else None
-    return ours is None or theirs is None or ours == theirs
+    return sidecar.save_id is None or theirs is None or sidecar.save_id == theirs
 
 
 def verify_checkpoint(path: str) -> list[str]:
@@ -302,17 +302,17 @@ def verify_checkpoint(path: str) -> list[str]:
     sidecar = storage.join(path, CHECKSUMS_FILE)
     if not storage.exists(sidecar):
         return [f"{path}: no {CHECKSUMS_FILE} (saved with checksums=False?)"]
-    data = storage.read_bytes(sidecar)
-    if not sidecar_belongs_to(data, read_metadata(path)):
+    checksums = decode_checksums(storage.read_bytes(sidecar))
+    if not sidecar_belongs_to(checksums, read_metadata(path)):
         return [f"{path}: {CHECKSUMS_FILE} belongs to another save of this step (an interrupted re-save); cannot verify"]
     problems = []
-    for entry in decode_checksums(data):
+    for entry in checksums.items:
         file = check_relative_path(storage, path, entry.relative_path)
         data = storage.read_bytes(file, entry.start, entry.length)
         name = entry.fqn if entry.offset is None else f"{entry.fqn}{list(entry.offset)}"
         if len(data) != entry.length:
             problems.append(f"{entry.relative_path}: {name} is truncated")
-        elif crc32_of(data) != entry.crc32:
+        elif checksums.checksum(data) != entry.crc32:
             problems.append(f"{entry.relative_path}: {name} checksum mismatch")
     return problems
 

@@ -45,7 +45,6 @@ import threading
 import time
 import traceback
 import warnings
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Optional
 
@@ -455,17 +454,15 @@ class Memcpy(Method):
     """Copy of every tensor into buffers allocated once and reused: the copy ceiling.
 
     The first save also faults the buffer's pages in (cold copy); later saves are warm. It copies
-    the way asyncckpt's eager staging does (worker/staging.py), so "blocked / memcpy" compares like
-    with like: `eager_staging_threads()` threads (this one and helpers made once) take pieces of at
-    most 16 MiB, largest first, from one queue, each copy on one torch thread. Not torch's own
-    intra-op threads: their static split stalls at a barrier whenever another process holds a core
-    (measured here under load: 2 intra-op threads 0.45 s vs 0.03 s for the queue, 128 MiB)."""
+    with asyncckpt's own staging copy (worker/staging.py, `StagingPool.copy_in`) in this process,
+    with the eager-staging thread count: the same copy, without the worker hand-off, so "blocked /
+    memcpy" is what the hand-off and planning cost on top."""
 
     name = "memcpy"
-    PIECE_BYTES = 16 * MiB
 
     def setup(self) -> None:
-        from asyncckpt.checkpointer import eager_staging_threads
+        from asyncckpt.config import eager_staging_threads
+        from worker.staging import StagingPool
 
         tensors = state_tensors(self.state)
         total = sum(-(-t.numel() * t.element_size() // 64) * 64 for t in tensors)
@@ -476,40 +473,14 @@ class Memcpy(Method):
             self.views.append(self.slab[offset : offset + n].view(t.dtype).view(t.shape))
             offset += -(-n // 64) * 64  # 64-byte aligned, like the staging pool
         self.threads = eager_staging_threads()
-        self.helpers = ThreadPoolExecutor(self.threads - 1) if self.threads > 1 else None
+        self.copier = StagingPool()
         self.note = f"{self.threads} thread(s)"
 
-    def pieces(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(source, destination) pairs, largest first, tensors over PIECE_BYTES cut into flat pieces."""
-        out = []
-        for src, dst in sorted(zip(state_tensors(self.state), self.views), key=lambda pair: -pair[1].nbytes):
-            if src.nbytes > self.PIECE_BYTES:
-                flat_src, flat_dst, step = src.reshape(-1), dst.reshape(-1), self.PIECE_BYTES // src.element_size()
-                out.extend((flat_src[i : i + step], flat_dst[i : i + step]) for i in range(0, flat_src.numel(), step))
-            else:
-                out.append((src, dst))
-        return out
-
     def begin(self, step: int) -> None:
-        queue, lock = iter(self.pieces()), threading.Lock()
-
-        def drain() -> None:
-            while True:
-                with lock:
-                    piece = next(queue, None)
-                if piece is None:
-                    return
-                piece[1].copy_(piece[0])
-
         saved = torch.get_num_threads()
-        torch.set_num_threads(1)
+        torch.set_num_threads(1)  # as in the worker: each copy on one torch thread
         try:
-            helpers = [self.helpers.submit(drain) for _ in range(self.threads - 1)] if self.helpers else []
-            try:
-                drain()
-            finally:
-                for helper in helpers:
-                    helper.result()
+            self.copier.copy_in(state_tensors(self.state), self.views, self.threads)
         finally:
             torch.set_num_threads(saved)
 
@@ -517,9 +488,9 @@ class Memcpy(Method):
         return ""
 
     def teardown(self) -> None:
-        if getattr(self, "helpers", None) is not None:
-            self.helpers.shutdown(wait=True)
-            self.helpers = None
+        if getattr(self, "copier", None) is not None:
+            self.copier.close()
+            self.copier = None
         self.views, self.slab = [], None
 
 

@@ -1,10 +1,11 @@
-"""Checksums: a CRC32 per item, written by the writers into .checksums.json, checked by
+"""Checksums: a CRC32C per item, written by the writers into .checksums.json, checked by
 `verify_checkpoint` and `load(..., verify=True)`."""
 
 from __future__ import annotations
 
 import json
 import os
+import zlib
 
 import pytest
 import torch
@@ -64,7 +65,7 @@ def test_flipped_byte_is_reported_with_file_and_tensor_name(ckpt_root):
     with pytest.raises(CheckpointError, match="model.emb"):
         load(zeros_like_state(expected), path, verify=True)
 
-    # without verify=True the damage is still caught: each item's CRC32 is checked as it is read
+    # without verify=True the damage is still caught: each item's CRC32C is checked as it is read
     with pytest.raises(CheckpointError, match="model.emb.*checksum mismatch"):
         load(zeros_like_state(expected), path)
 
@@ -116,3 +117,26 @@ def test_plain_load_detects_a_flipped_byte_without_verify(tmp_path):
         f.write(bytes([byte[0] ^ 0xFF]))
     with pytest.raises(CheckpointError, match="checksum mismatch"):
         load({"w": torch.zeros(4096)}, step_dir)
+
+
+def test_sidecars_of_the_older_crc32_algorithm_still_verify(ckpt_root):
+    """Checkpoints written before CRC32C became the default name "crc32" in their sidecar."""
+    path, expected = saved_checkpoint(ckpt_root)
+    sidecar = os.path.join(path, ".checksums.json")
+    doc = json.load(open(sidecar))
+    assert doc["algorithm"] == "crc32c"
+    for record in doc["items"]:
+        with open(os.path.join(path, record["file"]), "rb") as f:
+            f.seek(record["start"])
+            record["crc32"] = zlib.crc32(f.read(record["length"]))
+    doc["algorithm"] = "crc32"
+    del doc["save_id"]
+    with open(sidecar, "w") as f:
+        json.dump(doc, f)
+    assert verify_checkpoint(path) == []
+    target = zeros_like_state(expected)
+    load(target, path, verify=True)
+    assert_state_equal(target, expected)
+    record = checksum_record(path, "model.w")
+    flip_byte(os.path.join(path, record["file"]), record["start"] + record["length"] // 2)
+    assert [p for p in verify_checkpoint(path) if "model.w" in p and "checksum mismatch" in p]
