@@ -177,6 +177,16 @@ def test_stopped_worker_killed_while_trainer_waits_for_staged(ckpt_root):
         assert_loads(ckpt_root, 3, clone_state(state))
 
 
+def assert_recovers_after_stuck_worker(ckpt: AsyncCheckpointer, state: dict, root: str, stuck_pid: int) -> None:
+    """Step 2 failed on a stopped worker: the trainer killed it, and step 3 commits on a new one."""
+    wait_gone(stuck_pid, 10)
+    retime(ckpt, 120.0)
+    ckpt.schedule_save(state, step=3)
+    assert [r.step for r in ckpt.finalize(blocking=True)] == [3]
+    assert ckpt.worker_pid != stuck_pid
+    assert committed_steps(root) == [1, 3]
+
+
 def test_stuck_worker_times_out_is_killed_and_replaced(ckpt_root):
     """A worker that stops answering (SIGSTOP, never resumed) costs timeout_s, not forever."""
     timeout_s = 2.0
@@ -193,12 +203,7 @@ def test_stuck_worker_times_out_is_killed_and_replaced(ckpt_root):
         elapsed = time.monotonic() - started
         print(f"\nschedule_save timed out after {elapsed:.3f}s (timeout_s={timeout_s})")
         assert timeout_s <= elapsed < timeout_s + 5
-        wait_gone(pid, 10)  # the trainer killed the stuck worker
-        retime(ckpt, 120.0)
-        ckpt.schedule_save(state, step=3)
-        assert [r.step for r in ckpt.finalize(blocking=True)] == [3]
-        assert ckpt.worker_pid != pid
-        assert committed_steps(ckpt_root) == [1, 3]
+        assert_recovers_after_stuck_worker(ckpt, state, ckpt_root, pid)
 
 
 def test_non_blocking_finalize_fails_a_save_past_its_timeout(ckpt_root):
@@ -225,11 +230,7 @@ def test_non_blocking_finalize_fails_a_save_past_its_timeout(ckpt_root):
         elapsed = time.monotonic() - started
         print(f"\nnon-blocking polls failed the save after {elapsed:.2f}s; longest poll {longest_poll:.3f}s")
         assert elapsed < timeout_s + 2 and longest_poll < 1.0
-        wait_gone(pid, 10)
-        retime(ckpt, 120.0)
-        ckpt.schedule_save(state, step=3)
-        assert [r.step for r in ckpt.finalize(blocking=True)] == [3]
-        assert committed_steps(ckpt_root) == [1, 3]
+        assert_recovers_after_stuck_worker(ckpt, state, ckpt_root, pid)
 
 
 class _FailsToUnpickle:

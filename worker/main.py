@@ -80,7 +80,7 @@ class ServeLoop:
             self._fail(request.save_id, phase, f"{type(exc).__name__}: {exc}")
 
     def _fail(self, save_id: Optional[int], phase: str, message: str, path=None) -> None:
-        log.debug("save %d failed in %s: %s", save_id, phase, message)
+        log.debug("save %s failed in %s: %s", save_id, phase, message)
         try:
             self.conn.send(SaveFailed(save_id, phase, message, path))
         except (OSError, EOFError):
