@@ -317,20 +317,31 @@ def verify_checkpoint(path: str) -> list[str]:
     return problems
 
 
+def _unreferenced_data_files(path: str, names: list[str]) -> list[str]:
+    try:
+        used = {info.relative_path for info in (read_metadata(path).storage_data or {}).values()}
+    except Exception as exc:  # refused or damaged: not ours to judge
+        log.warning("cleanup: leaving %s alone: its %s cannot be read safely (%s)", path, METADATA_FILE, exc)
+        return []
+    return [n for n in names if DATA_FILE_NAME.match(n) and n not in used]
+
+
 def cleanup(root: str, dry_run: bool = False) -> list[str]:
-    """Remove what interrupted saves left in `root`: step directories without `.metadata`, and
-    stray temp files of atomic writes. Returns the paths removed (with `dry_run`, that would be).
+    """Remove what interrupted saves left in `root`: step directories without `.metadata`, stray
+    temp files of atomic writes, and data files a committed checkpoint's `.metadata` does not name
+    (an interrupted re-save of that step). Returns the paths removed (with `dry_run`, that would be).
 
     Only what is recognisably ours goes: a torn directory holding anything but data files and
     temp files (a subdirectory, a file of another name) is kept and logged; symlinks are never
-    followed or removed; committed checkpoints are never touched. Do not run it while a save into
-    `root` is in flight: that save's directory is uncommitted until it finishes."""
+    followed or removed; nothing a committed checkpoint uses is touched (one whose `.metadata`
+    cannot be read safely is left alone). Do not run it while a save into `root` is in flight."""
     storage = storage_for(root)
     leftovers = [storage.join(root, name) for name in storage.list_dir(root) if _TEMP_FILE.match(name)]
     for info in list_checkpoints(root, storage):
         names = storage.list_dir(info.path)
         if info.committed:
             leftovers += [storage.join(info.path, n) for n in names if _TEMP_FILE.match(n)]
+            leftovers += [storage.join(info.path, n) for n in _unreferenced_data_files(info.path, names)]
             continue
         foreign = [n for n in names if not (DATA_FILE_NAME.match(n) or _TEMP_FILE.match(n) or n == CHECKSUMS_FILE)
                    or storage.is_dir(storage.join(info.path, n))]

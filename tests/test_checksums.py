@@ -140,3 +140,21 @@ def test_sidecars_of_the_older_crc32_algorithm_still_verify(ckpt_root):
     record = checksum_record(path, "model.w")
     flip_byte(os.path.join(path, record["file"]), record["start"] + record["length"] // 2)
     assert [p for p in verify_checkpoint(path) if "model.w" in p and "checksum mismatch" in p]
+
+
+def test_a_sidecar_from_another_save_of_the_step_is_not_trusted(ckpt_root):
+    """A re-save interrupted between its sidecar and its .metadata leaves the old checkpoint with
+    the new save's sidecar: loading ignores it (loads unchecked), verify says so."""
+    path, expected = saved_checkpoint(ckpt_root)
+    sidecar = os.path.join(path, ".checksums.json")
+    doc = json.load(open(sidecar))
+    doc["save_id"] = "0" * 32
+    for record in doc["items"]:
+        record["crc32"] ^= 1  # would all mismatch if they were checked against this checkpoint
+    with open(sidecar, "w") as f:
+        json.dump(doc, f)
+    [problem] = verify_checkpoint(path)
+    assert "belongs to another save of this step" in problem
+    target = zeros_like_state(expected)
+    load(target, path)
+    assert_state_equal(target, expected)

@@ -93,6 +93,9 @@ def test_cleanup_removes_torn_saves_and_temp_files_and_keeps_committed(tmp_path)
         write(os.path.join(root, ".latest.tmp-4242")),
         write(os.path.join(root, "step_00000002", "..metadata.tmp-4242")),
         write(os.path.join(root, "step_00000002", "..checksums.json.tmp-77")),
+        # an interrupted re-save of step 2: its new files, or the old ones it had replaced
+        write(os.path.join(root, "step_00000002", "__0_0.0badc0de.distcp"), b"partial"),
+        write(os.path.join(root, "step_00000002", "__0_7.distcp"), b"replaced"),
     ]
     expected = sorted([torn, empty_torn, *stray])
 
