@@ -120,7 +120,7 @@ class AsyncCheckpointer:
             [local is None or self._planning.changed(local), int(overwrite), int(problem is not None)], "schedule_save", step
         )
         if failed:
-            self._raise_agreed_failure(problem, step)
+            self._raise_agreed_failure(problem, step, step_dir)
         file_tag = ""
         if overwrite_any:  # new files get other names; the old checkpoint stays committed until ours is
             file_tag = self._group.broadcast(f".{uuid.uuid4().hex[:8]}")
@@ -319,9 +319,12 @@ class AsyncCheckpointer:
         where = f" ({failed.path})" if failed.path else ""
         return f"{failed.phase} failed{where}: {failed.message}"
 
-    def _raise_agreed_failure(self, problem: Optional[Exception], step: int) -> None:
-        """Some rank could not start the save: every rank raises, naming the ranks and causes."""
+    def _raise_agreed_failure(self, problem: Optional[Exception], step: int, step_dir: str) -> None:
+        """Some rank could not start the save: every rank raises, naming the ranks and causes.
+        The step directory prepared for it goes too, unless it holds a committed checkpoint."""
         problems = self._group.all_gather(None if problem is None else str(problem))
+        if self._group.is_coordinator and (is_remote(step_dir) or not os.path.islink(step_dir)):
+            discard_uncommitted(self._storage, step_dir)
         causes = "; ".join(f"rank {r}: {p}" for r, p in enumerate(problems) if p is not None)
         if self._group.size == 1 and problem is not None:
             raise problem

@@ -187,6 +187,29 @@ def test_unserializable_entry_is_named_and_nothing_is_left(ckpt_root):
         assert [r.step for r in ckpt.finalize(blocking=True)] == [4]
 
 
+class _BrokenStateful:
+    def state_dict(self):
+        raise RuntimeError("state_dict failed")
+
+    def load_state_dict(self, state):
+        pass
+
+
+@pytest.mark.local_only
+def test_a_save_that_cannot_start_leaves_no_directory_and_keeps_a_committed_one(ckpt_root):
+    with AsyncCheckpointer(ckpt_root) as ckpt:
+        with pytest.raises(RuntimeError, match="state_dict failed"):
+            ckpt.schedule_save({"m": _BrokenStateful()}, step=7)
+        assert not os.path.exists(step_path(ckpt_root, 7))
+        ckpt.schedule_save({"w": torch.ones(3)}, step=8)
+        ckpt.finalize(blocking=True)
+        with pytest.raises(RuntimeError, match="state_dict failed"):
+            ckpt.schedule_save({"m": _BrokenStateful()}, step=8)
+        target = {"w": torch.zeros(3)}
+        load(target, step_path(ckpt_root, 8))
+        assert torch.equal(target["w"], torch.ones(3))
+
+
 def test_close_commits_the_in_flight_save(ckpt_root):
     ckpt = AsyncCheckpointer(ckpt_root)
     ckpt.schedule_save({"w": torch.arange(10.0)}, step=9)
