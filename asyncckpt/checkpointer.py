@@ -139,7 +139,7 @@ class AsyncCheckpointer:
                 torch.cuda.current_stream().synchronize()  # the worker must see finished values
             self._client.send(request, self.config.timeout_s)
             flight.save_id, flight.tensors_sent = request.save_id, len(request.fresh_tensors)
-            flight.deadline = time.monotonic() + self.config.timeout_s
+            flight.deadline = time.monotonic() + self._client.allowance(self.config.timeout_s)  # start-up
             self._holds = _WorkerHolds(snapshot.structure_key, snapshot.fingerprints, snapshot.tensors)
         except Exception as exc:  # e.g. an entry that cannot be resolved or shared
             if self._group.size == 1:
@@ -314,8 +314,8 @@ class AsyncCheckpointer:
         return None
 
     def _describe_failure(self, failed: SaveFailed) -> str:
-        if failed.phase == "cache":
-            self._holds = None  # resend everything next time
+        if failed.phase in ("cache", "request"):
+            self._holds = None  # it holds nothing of this request: resend everything next time
         where = f" ({failed.path})" if failed.path else ""
         return f"{failed.phase} failed{where}: {failed.message}"
 

@@ -108,7 +108,7 @@ class WorkerClient:
             pass
         offered_before = _offered_fds()
         try:
-            _send_bounded(self._conn, self._process, request, self._allowance(timeout_s))
+            _send_bounded(self._conn, self._process, request, self.allowance(timeout_s))
         except TimeoutError:
             pid = self.pid
             self._process.kill()
@@ -127,11 +127,13 @@ class WorkerClient:
         (0: do not wait; None is not allowed: every wait is bounded). Returns None on timeout 0;
         raises CheckpointTimeoutError past a positive timeout and WorkerDiedError if the worker
         exits first."""
-        deadline = time.monotonic() + (self._allowance(timeout_s) if timeout_s else 0)
+        deadline = time.monotonic() + (self.allowance(timeout_s) if timeout_s else 0)
         while True:
             for i, message in enumerate(self._inbox):
                 unreadable = isinstance(message, SaveFailed) and message.save_id is None
                 if isinstance(message, kinds) and (getattr(message, "save_id", None) == save_id or unreadable):
+                    if unreadable:  # it could not unpickle the request: what it did not fetch, it never will
+                        _drop_offered_fds(self._unfetched)
                     self._unfetched = set()  # it answered, so it unpickled the request and took them all
                     return self._inbox.pop(i)
             remaining = deadline - time.monotonic()
@@ -166,7 +168,7 @@ class WorkerClient:
         except (EOFError, OSError) as exc:
             raise self._died("") from exc
 
-    def _allowance(self, timeout_s: float) -> float:
+    def allowance(self, timeout_s: float) -> float:
         """A wait's bound: `timeout_s`, or more while the worker has not said Ready yet."""
         return timeout_s if self.ready else max(timeout_s, STARTUP_TIMEOUT_S)
 

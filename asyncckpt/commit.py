@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from .formats import CHECKSUMS_FILE, ItemChecksum, encode_checksums
-from .loading import DATA_FILE_NAME, LATEST_FILE, METADATA_FILE, list_checkpoints, read_latest_marker
+from .loading import DATA_FILE_NAME, LATEST_FILE, METADATA_FILE, list_checkpoints, read_latest_marker, read_metadata
 from .errors import CheckpointError
 from .protocol import ItemWritten, WriteDone
 from .ranks import RankGroup
@@ -84,12 +84,16 @@ def _decide(storage: Storage, target: SaveTarget, outcomes: list[RankOutcome], f
         discard_uncommitted(storage, target.step_dir, target.file_tag)
         return Verdict(False, f"step {target.step}: commit failed in {target.step_dir}: {exc!r}")
     try:
+        move_latest(storage, target.root, target.name, fsync)
+    except Exception as exc:
+        log.error("%s is committed but `latest` could not be moved to it (it still names an older one): %r",
+                  target.step_dir, exc)
+    try:
         if target.file_tag:
             remove_replaced_files(storage, target.step_dir, written)
-        move_latest(storage, target.root, target.name, fsync)
         apply_retention(storage, target.root, keep_last)
     except Exception as exc:
-        log.warning("after committing %s: moving latest / retention failed: %r", target.step_dir, exc)
+        log.warning("after committing %s: removing replaced files / retention failed: %r", target.step_dir, exc)
     total = sum(o.written.bytes_written for o in outcomes)
     return Verdict(True, None, total, time.perf_counter() - started)
 
@@ -102,12 +106,17 @@ def discard_uncommitted(storage: Storage, step_dir: str, file_tag: str = "") -> 
             return
         if not storage.exists(storage.join(step_dir, METADATA_FILE)):
             storage.remove_tree(step_dir)
-        elif file_tag:
+        elif file_tag:  # the committed checkpoint stays; so do files its .metadata names (ours, if
+            used = _referenced_files(step_dir)  # the commit failed after publishing it)
             for name in storage.list_dir(step_dir):
-                if file_tag in name and DATA_FILE_NAME.match(name):
+                if file_tag in name and DATA_FILE_NAME.match(name) and name not in used:
                     storage.remove_file(storage.join(step_dir, name))
     except (OSError, CheckpointError) as exc:
         log.warning("could not remove uncommitted files in %s: %s", step_dir, exc)
+
+
+def _referenced_files(step_dir: str) -> set[str]:
+    return {info.relative_path for info in (read_metadata(step_dir).storage_data or {}).values()}
 
 
 def remove_replaced_files(storage: Storage, step_dir: str, written: list[ItemWritten]) -> None:
@@ -142,8 +151,11 @@ def commit_checkpoint(
         for w in written
         if w.crc32 is not None
     ]
+    sidecar = storage.join(step_dir, CHECKSUMS_FILE)
     if checksums:
-        storage.write_atomic(storage.join(step_dir, CHECKSUMS_FILE), encode_checksums(checksums, save_id), fsync=fsync)
+        storage.write_atomic(sidecar, encode_checksums(checksums, save_id), fsync=fsync)
+    elif storage.exists(sidecar):  # a re-save without checksums: the old ones describe other files
+        storage.remove_file(sidecar)
     if fsync:
         storage.sync_dir(step_dir)  # every data file's entry is durable before the commit
     storage.write_atomic(storage.join(step_dir, METADATA_FILE), pickle.dumps(final), fsync=fsync)

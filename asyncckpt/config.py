@@ -88,4 +88,5 @@ def _require_int(config: CheckpointConfig, name: str, minimum: int) -> None:
 def eager_staging_threads() -> int:
     """Threads copying a CPU snapshot in eager mode: the trainer waits idle for the copy, so its
     cores are free; a copy is memory-bound, and more than four threads gain nothing."""
-    return max(1, min(4, len(os.sched_getaffinity(0))))
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, min(4, usable or 1))

@@ -108,7 +108,7 @@ def load(
     metadata = reader.read_metadata()  # a refused .metadata fails here, with its own message, on every rank
     check_no_stateless_optimizer(state_dict, metadata, path)
     if verify:
-        problems = verify_checkpoint(path)
+        problems = verify_checkpoint(path, trusted)
         if problems:
             raise CheckpointError(f"{path!r} failed verification: " + "; ".join(problems[:5]))
     use_dist = dist.is_available() and dist.is_initialized()
@@ -296,14 +296,15 @@ def sidecar_belongs_to(sidecar: Sidecar, metadata: Metadata) -> bool:
     return sidecar.save_id is None or theirs is None or sidecar.save_id == theirs
 
 
-def verify_checkpoint(path: str) -> list[str]:
-    """Re-read every item with a checksum; return one line per damaged item (empty: intact)."""
+def verify_checkpoint(path: str, trusted: bool = False) -> list[str]:
+    """Re-read every item with a checksum; return one line per damaged item (empty: intact).
+    `trusted` as for `load`: the `.metadata` it checks the sidecar against is unpickled fully."""
     storage = storage_for(path)
     sidecar = storage.join(path, CHECKSUMS_FILE)
     if not storage.exists(sidecar):
         return [f"{path}: no {CHECKSUMS_FILE} (saved with checksums=False?)"]
     checksums = decode_checksums(storage.read_bytes(sidecar))
-    if not sidecar_belongs_to(checksums, read_metadata(path)):
+    if not sidecar_belongs_to(checksums, read_metadata(path, trusted=trusted)):
         return [f"{path}: {CHECKSUMS_FILE} belongs to another save of this step (an interrupted re-save); cannot verify"]
     problems = []
     for entry in checksums.items:

@@ -24,9 +24,11 @@ _CALL_KINDS = {"schedule_save": 1, "finalize": 2}
 
 
 def collective_timeout_s(timeout_s: float) -> float:
-    """How long a rank waits for the others in one collective: a little over `timeout_s`, so a
-    rank whose own wait on its worker ran out reaches the collective and reports its cause."""
-    return timeout_s * 1.1 + 5.0
+    """How long a rank waits for the others in one collective. Longer than the longest wait a
+    healthy rank does on its own worker between two collectives (a blocking finalize: Staged,
+    then the writes, each up to `timeout_s`), plus a margin for a fresh worker's start-up, so a
+    rank whose own wait ran out reaches the collective and reports its cause."""
+    return 2 * timeout_s + 30.0
 
 
 class RankGroup:

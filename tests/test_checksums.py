@@ -158,3 +158,16 @@ def test_a_sidecar_from_another_save_of_the_step_is_not_trusted(ckpt_root):
     target = zeros_like_state(expected)
     load(target, path)
     assert_state_equal(target, expected)
+
+
+def test_resave_without_checksums_leaves_no_stale_sidecar(ckpt_root):
+    path, expected = saved_checkpoint(ckpt_root)
+    state = clone_state(expected)
+    state["model"]["w"].add_(1.0)
+    with AsyncCheckpointer(ckpt_root, CheckpointConfig(checksums=False)) as ckpt:
+        ckpt.schedule_save(state, step=5)  # replaces the committed step 5
+        ckpt.finalize(blocking=True)
+    assert not os.path.exists(os.path.join(path, ".checksums.json"))
+    target = zeros_like_state(state)
+    load(target, path)
+    assert_state_equal(target, state)

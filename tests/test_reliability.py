@@ -20,7 +20,6 @@ import torch
 from asyncckpt import AsyncCheckpointer, CheckpointConfig, CheckpointError, CheckpointTimeoutError, load
 from asyncckpt import snapshot as snapshot_module
 from asyncckpt.loading import read_latest_marker
-from asyncckpt.protocol import SaveFailed
 from asyncckpt.snapshot import SHM_DIR, SharingNeeds, check_shm_space, ensure_fd_room, shared_memory_needed
 from conftest import assert_state_equal, clone_state, wait_gone, zeros_like_state
 
@@ -241,20 +240,31 @@ class _FailsToUnpickle:
         return (int, ("not a number",))
 
 
-def test_request_the_worker_cannot_read_fails_the_save_and_the_worker_serves_on(ckpt_root):
+def test_a_request_the_worker_cannot_read_fails_that_save_only(ckpt_root, monkeypatch):
+    """The worker answers SaveFailed and serves on; the trainer forgets what it thought the worker
+    held, so the next save sends every tensor again and writes current values, never stale ones."""
     state = big_state(1)
     with AsyncCheckpointer(ckpt_root, config()) as ckpt:
         ckpt.schedule_save(state, step=1)
         ckpt.finalize(blocking=True)
         pid = ckpt.worker_pid
-        client = ckpt._client
-        client.send(_FailsToUnpickle(), 30.0)
-        failed = client.take(12345, (SaveFailed,), 30.0)  # fails whichever save is in flight
-        assert failed.save_id is None and failed.phase == "request"
-        assert "could not read the save request" in failed.message and "not a number" in failed.message
-        ckpt.schedule_save(state, step=2)
+        build_request = ckpt._request_for
+
+        def unreadable_request(*args):
+            request = build_request(*args)
+            request.poison = _FailsToUnpickle()
+            return request
+
+        monkeypatch.setattr(ckpt, "_request_for", unreadable_request)
+        state["weights"]["t0"] = state["weights"]["t0"] + 1.0  # reallocated: only this request carries it
+        with pytest.raises(CheckpointError, match=r"request failed: could not read the save request.*not a number"):
+            ckpt.schedule_save(state, step=2)
+        monkeypatch.undo()
+        ckpt.schedule_save(state, step=3)
         [report] = ckpt.finalize(blocking=True)
-        assert report.worker_pid == pid
+        assert report.worker_pid == pid and report.tensors_sent == len(state["weights"])
+        assert committed_steps(ckpt_root) == [1, 3]
+        assert_loads(ckpt_root, 3, clone_state(state))
 
 
 @pytest.mark.timeout(90)
