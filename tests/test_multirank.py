@@ -183,7 +183,8 @@ def test_non_blocking_finalize_costs_only_the_agreement(tmp_path):
     print(f"\n{len(polls)} polls: median {median * 1e3:.2f} ms, max {longest * 1e3:.1f} ms; "
           f"all-reduce median {reduce_median * 1e3:.2f} ms")
     assert len(polls) > 3 * 20  # the saves were pending across many polls
-    assert median < 3 * reduce_median + 0.002, (median, reduce_median)
+    # a few all-reduces' worth at most (scheduling noise on a shared box), vs 0.8 s of paused writes
+    assert median < 5 * reduce_median + 0.005, (median, reduce_median)
     assert longest < WRITE_PAUSE_S / 2, longest  # no poll waited for the paused writes
 
 
