@@ -59,21 +59,26 @@ class AsyncCheckpointer:
 
     def __init__(
         self,
-        root: str | os.PathLike,
+        root: Optional[str | os.PathLike] = None,
         config: Optional[CheckpointConfig] = None,
         *,
         process_group: Optional[Any] = None,
         planner_factory: Callable[[], Any] = DefaultSavePlanner,
+        no_dist: bool = False,
     ) -> None:
+        """`root` holds `step_N` checkpoints, `latest` and keep_last retention; without one, every
+        save names its directory. `no_dist=True`: this process saves alone even inside a
+        distributed job (no collectives, no process group)."""
         if config is None:
             config = CheckpointConfig()
         if not isinstance(config, CheckpointConfig):
             raise TypeError(f"config must be a CheckpointConfig, not {type(config).__name__}")
-        self.root = os.fspath(root)
+        self.root = os.fspath(root) if root is not None else None
+        if self.root is not None:
+            storage_for(self.root)  # an unsupported URL fails here, not at the first save
         self.config = config
-        self._group = RankGroup(process_group, config.timeout_s)
+        self._group = RankGroup(process_group, config.timeout_s, no_dist=no_dist)
         self.rank = self._group.rank
-        self._storage = storage_for(self.root)
         self._planning = Planning(planner_factory)
         self._client: Optional[WorkerClient] = None
         self._holds: Optional[_WorkerHolds] = None
@@ -86,15 +91,19 @@ class AsyncCheckpointer:
         self._start_worker()  # spawn now, so the first save does not pay for the interpreter start
 
     # public API ------------------------------------------------------------------------------
-    def schedule_save(self, state_dict: dict[str, Any], step: int) -> None:
-        """Snapshot `state_dict` as of now and write it as checkpoint `step` in the background.
+    def schedule_save(
+        self, state_dict: dict[str, Any], step: Optional[int] = None, *, checkpoint_dir: Optional[str] = None
+    ) -> None:
+        """Snapshot `state_dict` as of now and write it in the background: as `ROOT/step_N` for
+        `step` (then `latest` moves and keep_last applies), or into `checkpoint_dir` when given
+        (a local path, msc:// or s3://; `step` is then only a label, and the caller manages its
+        directories). Re-saving a committed checkpoint replaces it at commit, never before.
 
         Eager staging returns once the worker holds its copy; lazy staging returns at once and
         the state must not change before `wait_staged()` (or the `guard` hook) returns.
         With several ranks every rank must call this at the same point."""
         self._check_open()
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise ValueError(f"step must be a non-negative integer, not {step!r}")
+        name, step_dir = self._target(step, checkpoint_dir)
         if not isinstance(state_dict, dict):
             raise TypeError(f"state_dict must be a dict, not {type(state_dict).__name__}")
         started = time.perf_counter()
@@ -103,24 +112,27 @@ class AsyncCheckpointer:
             self._finish_in_flight(blocking=True)
         backpressure_s = time.perf_counter() - started
 
-        name = step_dir_name(step)
-        step_dir = self._storage.join(self.root, name)
-        local, problem, overwrite = None, None, False
+        storage = storage_for(step_dir)
+        label = f"step {step}" if name is not None else f"checkpoint {step_dir!r}"
+        local, problem, overwrite, created = None, None, False, False
         try:
             if not is_remote(step_dir) and os.path.islink(step_dir):
                 raise CheckpointError(f"{step_dir!r} is a symlink; refusing to write a checkpoint through it")
-            self._storage.prepare_dir(step_dir)  # proves the target writable before anything else
-            overwrite = self._group.is_coordinator and self._storage.exists(self._storage.join(step_dir, METADATA_FILE))
+            created = not storage.is_dir(step_dir)
+            storage.prepare_dir(step_dir)  # proves the target writable before anything else
+            overwrite = self._group.is_coordinator and storage.exists(storage.join(step_dir, METADATA_FILE))
             local = self._planning.local(state_dict, self._group.is_coordinator)
         except OSError as exc:
             problem = CheckpointError(f"checkpoint directory {step_dir!r} is not usable: {exc}")
         except Exception as exc:  # every rank must reach the agreement, whatever went wrong here
             problem = exc
         changed, overwrite_any, failed = self._group.agree(
-            [local is None or self._planning.changed(local), int(overwrite), int(problem is not None)], "schedule_save", step
+            [local is None or self._planning.changed(local), int(overwrite), int(problem is not None)],
+            "schedule_save", -1 if step is None else step,
         )
+        owns_dir = name is not None or created
         if failed:
-            self._raise_agreed_failure(problem, step, step_dir)
+            self._raise_agreed_failure(problem, label, step_dir, owns_dir)
         file_tag = ""
         if overwrite_any:  # new files get other names; the old checkpoint stays committed until ours is
             file_tag = self._group.broadcast(f".{uuid.uuid4().hex[:8]}")
@@ -129,6 +141,7 @@ class AsyncCheckpointer:
         flight = InFlightSave(
             0, step, name, step_dir, planned.metadata, started, 0, planned.reused_plan,
             backpressure_s=backpressure_s, collectives_before=collectives_before, file_tag=file_tag,
+            label=label, owns_dir=owns_dir,
         )
         try:
             snapshot = take_snapshot(planned)
@@ -143,7 +156,7 @@ class AsyncCheckpointer:
             self._holds = _WorkerHolds(snapshot.structure_key, snapshot.fingerprints, snapshot.tensors)
         except Exception as exc:  # e.g. an entry that cannot be resolved or shared
             if self._group.size == 1:
-                discard_uncommitted(self._storage, step_dir, file_tag)
+                discard_uncommitted(storage, step_dir, file_tag, owns_dir)
                 raise
             flight.error = f"{type(exc).__name__}: {exc}"  # raised on every rank by the next finalize
         self._in_flight = flight
@@ -165,8 +178,8 @@ class AsyncCheckpointer:
             flight.error = self._describe_failure(message)
             if self._group.size == 1:  # one rank: say it now; several: every rank says it at finalize
                 self._in_flight = None
-                discard_uncommitted(self._storage, flight.step_dir, flight.file_tag)
-                raise CheckpointError(f"rank {self.rank} step {flight.step}: {flight.error}")
+                discard_uncommitted(storage_for(flight.step_dir), flight.step_dir, flight.file_tag, flight.owns_dir)
+                raise CheckpointError(f"rank {self.rank} {flight.label}: {flight.error}")
             return
         self._mark_staged(flight, message)
 
@@ -189,6 +202,8 @@ class AsyncCheckpointer:
         """Load the newest committed checkpoint into `state_dict` in place; return its step, or
         None when there is none (a fresh start). Objects load with `weights_only=True` unless
         `trusted=True` (needed for e.g. custom classes or NumPy RNG states in the state)."""
+        if self.root is None:
+            raise CheckpointError("load_latest needs a checkpoint root: AsyncCheckpointer(root, ...)")
         info = latest_checkpoint(self.root)  # the root may itself be a symlink; that is fine
         if info is None:
             return None
@@ -261,17 +276,21 @@ class AsyncCheckpointer:
         if flight.outcome is None:
             flight.outcome = self._local_outcome(flight, blocking)
         outcome = flight.outcome
-        [not_done] = self._group.agree([outcome is None], "finalize", flight.step)
+        ident = -1 if flight.step is None else flight.step
+        [not_done] = self._group.agree([outcome is None], "finalize", ident)
         while not_done and blocking:  # ours is done; wait with the others, one agreement per poll
             time.sleep(0.05)
-            [not_done] = self._group.agree([0], "finalize", flight.step)
+            [not_done] = self._group.agree([0], "finalize", ident)
         if not_done:
             return
-        target = SaveTarget(self.root, flight.step, flight.name, flight.step_dir, flight.metadata, flight.file_tag)
-        verdict = finish_save(self._group, self._storage, target, outcome, self.config.fsync, self.config.keep_last)
+        target = SaveTarget(
+            self.root, flight.step, flight.name, flight.step_dir, flight.metadata, flight.file_tag, flight.owns_dir
+        )
+        storage = storage_for(flight.step_dir)
+        verdict = finish_save(self._group, storage, target, outcome, self.config.fsync, self.config.keep_last)
         self._in_flight = None
         if not verdict.committed:
-            raise CheckpointError(f"step {flight.step} not committed: {verdict.error}")
+            raise CheckpointError(f"{flight.label} not committed: {verdict.error}")
         report = flight.report(self.rank, verdict, outcome, self._group.collectives)
         self._committed.append(report)
         publish(report, self.config.metrics_path, self.config.on_commit)
@@ -319,16 +338,33 @@ class AsyncCheckpointer:
         where = f" ({failed.path})" if failed.path else ""
         return f"{failed.phase} failed{where}: {failed.message}"
 
-    def _raise_agreed_failure(self, problem: Optional[Exception], step: int, step_dir: str) -> None:
+    def _target(self, step: Optional[int], checkpoint_dir: Optional[str]) -> tuple[Optional[str], str]:
+        """(step directory name or None, the directory a save writes), after checking the arguments."""
+        if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
+            raise ValueError(f"step must be a non-negative integer, not {step!r}")
+        if checkpoint_dir is not None:
+            return None, os.fspath(checkpoint_dir)
+        if step is None:
+            raise ValueError("schedule_save needs a step (saved as ROOT/step_N) or a checkpoint_dir")
+        if self.root is None:
+            raise ValueError("schedule_save(step=...) needs a checkpoint root: AsyncCheckpointer(root, ...)")
+        return step_dir_name(step), storage_for(self.root).join(self.root, step_dir_name(step))
+
+    @property
+    def in_flight_dir(self) -> Optional[str]:
+        """The directory the save in flight writes (None when no save is in flight)."""
+        return self._in_flight.step_dir if self._in_flight is not None else None
+
+    def _raise_agreed_failure(self, problem: Optional[Exception], label: str, step_dir: str, owns_dir: bool) -> None:
         """Some rank could not start the save: every rank raises, naming the ranks and causes.
-        The step directory prepared for it goes too, unless it holds a committed checkpoint."""
+        The directory prepared for it goes too, unless it holds a committed checkpoint."""
         problems = self._group.all_gather(None if problem is None else str(problem))
         if self._group.is_coordinator and (is_remote(step_dir) or not os.path.islink(step_dir)):
-            discard_uncommitted(self._storage, step_dir)
+            discard_uncommitted(storage_for(step_dir), step_dir, owns_dir=owns_dir)
         causes = "; ".join(f"rank {r}: {p}" for r, p in enumerate(problems) if p is not None)
         if self._group.size == 1 and problem is not None:
             raise problem
-        raise CheckpointError(f"step {step} not started: {causes}")
+        raise CheckpointError(f"{label} not started: {causes}")
 
     # worker --------------------------------------------------------------------------------------
     def _start_worker(self) -> None:

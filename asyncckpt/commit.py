@@ -51,12 +51,13 @@ class Verdict:
 
 @dataclass(frozen=True)
 class SaveTarget:
-    root: str
-    step: int
-    name: str
+    root: Optional[str]
+    step: Optional[int]
+    name: Optional[str]  # step directory name in `root`; None: a directory the caller named (no latest, no retention)
     step_dir: str
     metadata: Optional[Metadata]  # the global metadata; the coordinator's is the one used
     file_tag: str = ""  # set when the save replaces a committed checkpoint of the same step
+    owns_dir: bool = True  # the save created the directory: a failed save removes it whole
 
 
 def finish_save(
@@ -73,39 +74,49 @@ def finish_save(
 
 def _decide(storage: Storage, target: SaveTarget, outcomes: list[RankOutcome], fsync: bool, keep_last) -> Verdict:
     failures = [o for o in outcomes if o.error is not None]
+    what = f"step {target.step}" if target.name is not None else target.step_dir
     if failures:
-        discard_uncommitted(storage, target.step_dir, target.file_tag)
+        discard_uncommitted(storage, target.step_dir, target.file_tag, target.owns_dir)
         return Verdict(False, "; ".join(f"rank {o.rank}: {o.error}" for o in failures))
     started = time.perf_counter()
     written = [item for o in outcomes for item in o.written.items]
     try:
         commit_checkpoint(storage, target.step_dir, target.metadata, written, fsync)
     except Exception as exc:  # any failure here must reach every rank through the verdict
-        discard_uncommitted(storage, target.step_dir, target.file_tag)
-        return Verdict(False, f"step {target.step}: commit failed in {target.step_dir}: {exc!r}")
-    try:
-        move_latest(storage, target.root, target.name, fsync)
-    except Exception as exc:
-        log.error("%s is committed but `latest` could not be moved to it (it still names an older one): %r",
-                  target.step_dir, exc)
+        discard_uncommitted(storage, target.step_dir, target.file_tag, target.owns_dir)
+        return Verdict(False, f"{what}: commit failed in {target.step_dir}: {exc!r}")
+    if target.name is not None:
+        try:
+            move_latest(storage, target.root, target.name, fsync)
+        except Exception as exc:
+            log.error("%s is committed but `latest` could not be moved to it (it still names an older one): %r",
+                      target.step_dir, exc)
     try:
         if target.file_tag:
             remove_replaced_files(storage, target.step_dir, written)
-        apply_retention(storage, target.root, keep_last)
+        if target.name is not None:
+            apply_retention(storage, target.root, keep_last)
     except Exception as exc:
         log.warning("after committing %s: removing replaced files / retention failed: %r", target.step_dir, exc)
     total = sum(o.written.bytes_written for o in outcomes)
     return Verdict(True, None, total, time.perf_counter() - started)
 
 
-def discard_uncommitted(storage: Storage, step_dir: str, file_tag: str = "") -> None:
+def discard_uncommitted(storage: Storage, step_dir: str, file_tag: str = "", owns_dir: bool = True) -> None:
     """Remove what a failed save wrote; it was never committed, so nothing can depend on it.
-    A save that was replacing a committed checkpoint removes only its own (tagged) files."""
+    A save that was replacing a committed checkpoint removes only its own (tagged) files; one into
+    a directory it did not create removes only data files, then the directory if that left it empty."""
     try:
         if not storage.is_dir(step_dir):
             return
         if not storage.exists(storage.join(step_dir, METADATA_FILE)):
-            storage.remove_tree(step_dir)
+            if owns_dir:
+                storage.remove_tree(step_dir)
+                return
+            for name in storage.list_dir(step_dir):
+                if DATA_FILE_NAME.match(name) or name == CHECKSUMS_FILE:
+                    storage.remove_file(storage.join(step_dir, name))
+            storage.remove_empty_dir(step_dir)
         elif file_tag:  # the committed checkpoint stays; so do files its .metadata names (ours, if
             used = _referenced_files(step_dir)  # the commit failed after publishing it)
             for name in storage.list_dir(step_dir):

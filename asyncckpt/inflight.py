@@ -16,8 +16,8 @@ from .report import SaveReport
 @dataclass
 class InFlightSave:
     save_id: int
-    step: int
-    name: str
+    step: Optional[int]  # None: a save into a directory the caller named, without a step label
+    name: Optional[str]  # the step directory's name; None when the caller named the directory
     step_dir: str
     metadata: Metadata
     started: float
@@ -31,6 +31,8 @@ class InFlightSave:
     staged: Optional[Staged] = None
     error: Optional[str] = None  # this rank's part failed before the worker could report
     outcome: Optional[RankOutcome] = None  # kept until every rank has finished its part
+    label: str = ""  # how errors name this save: "step 5" or "checkpoint '/path'"
+    owns_dir: bool = True  # the save created its directory (a failed save may remove all of it)
 
     def report(self, rank: int, verdict: Verdict, outcome: RankOutcome, collectives_now: int) -> SaveReport:
         """The figures of this save, once committed."""

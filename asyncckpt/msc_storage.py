@@ -217,6 +217,9 @@ class MscStorage(Storage):
     def sync_dir(self, path: str) -> None:
         pass  # no directories: an object is durable once its upload returned
 
+    def remove_empty_dir(self, path: str) -> None:
+        pass  # a prefix with no keys does not exist
+
     def _call(self, operation: str, url: str, action) -> Any:
         """Run `action(client, key)` for `url`; any msc failure (RuntimeError, ValueError for an
         unknown profile, botocore errors...) becomes an OSError naming the operation and URL."""

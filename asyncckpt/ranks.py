@@ -32,8 +32,12 @@ def collective_timeout_s(timeout_s: float) -> float:
 
 
 class RankGroup:
-    def __init__(self, process_group: Optional[Any] = None, timeout_s: float = 600.0) -> None:
-        self.distributed = dist.is_available() and dist.is_initialized()
+    def __init__(self, process_group: Optional[Any] = None, timeout_s: float = 600.0, no_dist: bool = False) -> None:
+        """`no_dist`: this process saves on its own (e.g. Lightning calls its CheckpointIO on rank 0
+        only) even inside a distributed job: no collective, no group of its own."""
+        if no_dist and process_group is not None:
+            raise CheckpointError("no_dist=True saves without collectives; it cannot be combined with a process_group")
+        self.distributed = not no_dist and dist.is_available() and dist.is_initialized()
         if process_group is not None and not self.distributed:
             raise CheckpointError("a process_group was given but torch.distributed is not initialized")
         self.rank = dist.get_rank(process_group) if self.distributed else 0

@@ -15,7 +15,7 @@ log = logging.getLogger("asyncckpt")
 class SaveReport:
     """Figures of one committed save (seconds unless named otherwise)."""
 
-    step: int
+    step: Optional[int]  # None for a save into a directory the caller named without a step
     rank: int
     path: str
     bytes: int
@@ -38,10 +38,10 @@ class SaveReport:
 
 def publish(report: SaveReport, metrics_path: Optional[str], on_commit: Optional[Callable[[SaveReport], None]]) -> None:
     log.info(
-        "committed step %d: %.1f MB, blocked %.3fs, staging %.3fs, write %.3fs, commit %.3fs, "
+        "committed %s: %.1f MB, blocked %.3fs, staging %.3fs, write %.3fs, commit %.3fs, "
         "durable %.3fs (%.2f GB/s), worker %d%s",
-        report.step, report.bytes / 1e6, report.blocked_s, report.staging_s, report.write_s,
-        report.commit_s, report.durable_s, report.throughput_gbps, report.worker_pid,
+        f"step {report.step}" if report.step is not None else report.path, report.bytes / 1e6,
+        report.blocked_s, report.staging_s, report.write_s, report.commit_s, report.durable_s, report.throughput_gbps, report.worker_pid,
         ", cache hit" if report.cache_hit else "",
     )
     # The save is committed already: a failing side channel is logged, never turned into a
@@ -56,4 +56,4 @@ def publish(report: SaveReport, metrics_path: Optional[str], on_commit: Optional
         try:
             on_commit(report)
         except Exception:
-            log.exception("on_commit callback failed for step %d (the checkpoint is committed)", report.step)
+            log.exception("on_commit callback failed for %s (the checkpoint is committed)", report.path)

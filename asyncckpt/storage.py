@@ -87,6 +87,11 @@ class Storage(ABC):
     def sync_dir(self, path: str) -> None:
         """Make the directory's entries durable (a no-op where the backend has no directories)."""
 
+    @abstractmethod
+    def remove_empty_dir(self, path: str) -> None:
+        """Remove `path` if it is an empty directory; leave anything else alone. Never raises
+        for a directory that is not empty or not there."""
+
 
 class _LocalFile(WriteHandle):
     def __init__(self, path: str, fsync: bool) -> None:
@@ -190,6 +195,12 @@ class LocalStorage(Storage):
         if os.path.islink(path):
             raise CheckpointError(f"refusing to delete {path!r}: it is a symlink")
         shutil.rmtree(path, ignore_errors=False, onerror=_ignore_missing)
+
+    def remove_empty_dir(self, path: str) -> None:
+        try:
+            os.rmdir(path)  # fails on a non-empty directory, a symlink or a file: all left alone
+        except OSError:
+            pass
 
     def sync_dir(self, path: str) -> None:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
