@@ -11,7 +11,6 @@ import atexit
 import logging
 import os
 import time
-import uuid
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -23,6 +22,7 @@ from .client import WorkerClient
 from .commit import RankOutcome, SaveTarget, discard_uncommitted, finish_save
 from .config import CheckpointConfig, eager_staging_threads
 from .errors import CheckpointError, CheckpointTimeoutError, WorkerDiedError
+from .formats import new_file_tag
 from .loading import METADATA_FILE, latest_checkpoint, load, step_dir_name
 from .planning import Planning
 from .ranks import RankGroup
@@ -135,7 +135,7 @@ class AsyncCheckpointer:
             self._raise_agreed_failure(problem, label, step_dir, owns_dir)
         file_tag = ""
         if overwrite_any:  # new files get other names; the old checkpoint stays committed until ours is
-            file_tag = self._group.broadcast(f".{uuid.uuid4().hex[:8]}")
+            file_tag = self._group.broadcast(new_file_tag())
             log.info("replacing committed checkpoint %s at commit (new files *%s)", step_dir, file_tag)
         planned = self._planning.build(local, self._group) if changed else self._planning.reuse(local)
         flight = InFlightSave(

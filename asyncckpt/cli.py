@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Optional
 
 from .errors import CheckpointError
-from .formats import CHECKSUMS_FILE, Sidecar, decode_checksums
+from .formats import CHECKSUMS_FILE, Sidecar, decode_checksums, is_data_file
 from .loading import (
     LATEST_FILE, METADATA_FILE, latest_checkpoint, list_checkpoints, parse_step, read_latest_marker, read_metadata,
     sidecar_belongs_to,
@@ -62,7 +62,7 @@ def _kind(storage: Storage, path: str) -> str:
     if storage.exists(storage.join(path, METADATA_FILE)):
         return "checkpoint"
     names = storage.list_dir(path)
-    if parse_step(os.path.basename(path)) is not None or any(n.endswith((".distcp", ".safetensors")) for n in names):
+    if parse_step(os.path.basename(path)) is not None or any(is_data_file(n) for n in names):
         return "torn"
     if LATEST_FILE in names or list_checkpoints(path, storage):
         return "root"

@@ -18,8 +18,8 @@ from typing import Optional
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-from .formats import CHECKSUMS_FILE, ItemChecksum, encode_checksums
-from .loading import DATA_FILE_NAME, LATEST_FILE, METADATA_FILE, list_checkpoints, read_latest_marker, read_metadata
+from .formats import CHECKSUMS_FILE, ItemChecksum, encode_checksums, is_data_file
+from .loading import LATEST_FILE, METADATA_FILE, list_checkpoints, read_latest_marker, read_metadata
 from .errors import CheckpointError
 from .protocol import ItemWritten, WriteDone
 from .ranks import RankGroup
@@ -120,7 +120,7 @@ def discard_uncommitted(storage: Storage, step_dir: str, file_tag: str = "", own
         elif file_tag:  # the committed checkpoint stays; so do files its .metadata names (ours, if
             used = _referenced_files(step_dir)  # the commit failed after publishing it)
             for name in storage.list_dir(step_dir):
-                if file_tag in name and DATA_FILE_NAME.match(name) and name not in used:
+                if is_data_file(name, tag=file_tag) and name not in used:
                     storage.remove_file(storage.join(step_dir, name))
     except (OSError, CheckpointError) as exc:
         log.warning("could not remove uncommitted files in %s: %s", step_dir, exc)
@@ -134,7 +134,7 @@ def remove_replaced_files(storage: Storage, step_dir: str, written: list[ItemWri
     """After a save replaced a committed checkpoint: delete the data files of the old one."""
     current = {w.relative_path for w in written}
     for name in storage.list_dir(step_dir):
-        if DATA_FILE_NAME.match(name) and name not in current:
+        if is_data_file(name) and name not in current:
             storage.remove_file(storage.join(step_dir, name))
 
 

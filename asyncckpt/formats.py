@@ -1,4 +1,4 @@
-"""How items become bytes in a bucket file, and their checksums.
+"""How items become bytes in a bucket file, what the files are called, and their checksums.
 
 Format "torch_save": each tensor chunk is a standalone `torch.save` archive of exactly that chunk
 and each object its `torch.save` bytes, so DCP's stock FileSystemReader reads every byte range.
@@ -9,7 +9,9 @@ bytes); `.metadata` points at each tensor's raw byte range, and `loading.SafeRea
 from __future__ import annotations
 
 import json
+import re
 import struct
+import uuid
 import zlib
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional, Sequence
@@ -24,8 +26,39 @@ CHECKSUMS_FILE = ".checksums.json"
 CHECKSUM_ALGORITHM = "crc32c"  # hardware CRC32C: about 9 GiB/s a core here, zlib's CRC32 2.6
 TORCH_SAVE = "torch_save"
 SAFETENSORS = "safetensors"
+TORCH_SAVE_SUFFIX = ".distcp"
 SAFETENSORS_SUFFIX = ".safetensors"
 DCP_SHARDING_INFO = "DCP_SHARDING_INFO"  # the key DCP's HuggingFaceStorageReader reads chunk offsets from
+
+
+# data file names -------------------------------------------------------------------------------
+# A save's data files are `__{rank}_{n}{tag}.distcp` (torch_save) or `.safetensors`. The tag is
+# empty, or "." and 8 hex digits when the save replaces a committed checkpoint of the same step:
+# its files then get other names, and the old checkpoint stays whole until the new one commits.
+_DATA_FILE = re.compile(
+    rf"^__\d+_\d+(?P<tag>\.[0-9a-f]{{8}})?({re.escape(TORCH_SAVE_SUFFIX)}|{re.escape(SAFETENSORS_SUFFIX)})$"
+)
+
+
+def data_file_name(rank: int, n: int, fmt: str = TORCH_SAVE, tag: str = "") -> str:
+    """The name of data file `n` of `rank` in format `fmt`."""
+    return f"__{rank}_{n}{tag}" + (SAFETENSORS_SUFFIX if fmt == SAFETENSORS else TORCH_SAVE_SUFFIX)
+
+
+def new_file_tag() -> str:
+    """A fresh tag for the data files of a save that replaces a committed checkpoint."""
+    return f".{uuid.uuid4().hex[:8]}"
+
+
+def is_data_file(name: str, tag: Optional[str] = None) -> bool:
+    """Whether `name` is a data file a save writes (and, when `tag` is given, one with that tag)."""
+    match = _DATA_FILE.match(name)
+    return match is not None and (tag is None or (match.group("tag") or "") == tag)
+
+
+def is_safetensors_file(name: str) -> bool:
+    """Whether a data file holds raw tensor bytes (safetensors) rather than torch.save archives."""
+    return name.endswith(SAFETENSORS_SUFFIX)
 
 
 class ItemSink:

@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from .errors import CheckpointError
-from .formats import CHECKSUMS_FILE, SAFETENSORS_SUFFIX, Sidecar, decode_checksums
+from .formats import CHECKSUMS_FILE, Sidecar, decode_checksums, is_data_file, is_safetensors_file
 from .safety import TRUST_HINT, check_range, check_relative_path, load_metadata, load_object, load_tensor, raw_tensor
 from .storage import LocalStorage, Storage, storage_for
 
@@ -36,8 +36,7 @@ log = logging.getLogger(__name__)
 METADATA_FILE = ".metadata"
 LATEST_FILE = "latest"
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
-# what a save leaves in a step directory, and write_atomic's temp files (stock DCP: .metadata.tmp)
-DATA_FILE_NAME = re.compile(r"^__\d+_\d+(\.[0-9a-f]{8})?(\.distcp|\.safetensors)$")
+# write_atomic's temp files (stock DCP: .metadata.tmp) and prepare_dir's probes
 _TEMP_FILE = re.compile(r"^\.(\.metadata|\.checksums\.json|latest)\.tmp-\d+$|^\.metadata\.tmp$|^\.asyncckpt-probe-[\w-]+$")
 
 
@@ -269,7 +268,7 @@ class SafeReader(StorageReader):
         if req.type == LoadItemType.BYTE_IO:
             planner.load_bytes(req, io.BytesIO(data))
             return
-        if info.relative_path.endswith(SAFETENSORS_SUFFIX):
+        if is_safetensors_file(info.relative_path):
             tensor = raw_tensor(data, *self._chunk_layout(req), what)
         else:
             tensor = load_tensor(data, what)
@@ -324,7 +323,7 @@ def _unreferenced_data_files(path: str, names: list[str]) -> list[str]:
     except Exception as exc:  # refused or damaged: not ours to judge
         log.warning("cleanup: leaving %s alone: its %s cannot be read safely (%s)", path, METADATA_FILE, exc)
         return []
-    return [n for n in names if DATA_FILE_NAME.match(n) and n not in used]
+    return [n for n in names if is_data_file(n) and n not in used]
 
 
 def cleanup(root: str, dry_run: bool = False) -> list[str]:
@@ -344,7 +343,7 @@ def cleanup(root: str, dry_run: bool = False) -> list[str]:
             leftovers += [storage.join(info.path, n) for n in names if _TEMP_FILE.match(n)]
             leftovers += [storage.join(info.path, n) for n in _unreferenced_data_files(info.path, names)]
             continue
-        foreign = [n for n in names if not (DATA_FILE_NAME.match(n) or _TEMP_FILE.match(n) or n == CHECKSUMS_FILE)
+        foreign = [n for n in names if not (is_data_file(n) or _TEMP_FILE.match(n) or n == CHECKSUMS_FILE)
                    or storage.is_dir(storage.join(info.path, n))]
         if foreign:
             log.warning("cleanup: keeping %s: it holds %s, which a save does not write", info.path, ", ".join(foreign[:3]))

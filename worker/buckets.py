@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from asyncckpt.formats import SAFETENSORS, SAFETENSORS_SUFFIX, TORCH_SAVE
+from asyncckpt.formats import SAFETENSORS, TORCH_SAVE, data_file_name
 from asyncckpt.protocol import TENSOR, ItemSpec
 
 ALIGNMENT = 64  # every staged item starts on this boundary in the staging slab
@@ -26,10 +26,6 @@ class Bucket:
     positions: list[int] = field(default_factory=list)
     nbytes: int = 0
     format: str = TORCH_SAVE
-
-
-def data_file_name(rank: int, n: int, fmt: str = TORCH_SAVE, tag: str = "") -> str:
-    return f"__{rank}_{n}{tag}" + (SAFETENSORS_SUFFIX if fmt == SAFETENSORS else ".distcp")
 
 
 def make_buckets(
