@@ -38,7 +38,7 @@ class WorkerClient:
 
     # lifecycle -----------------------------------------------------------------------------
     def start(self) -> None:
-        from worker.main import run  # the one place the trainer names the worker's entry point
+        from asyncckpt_worker.main import run  # the one place the trainer names the worker's entry point
 
         ctx = tmp.get_context("spawn")
         parent_conn, child_conn = ctx.Pipe(duplex=True)

@@ -462,7 +462,7 @@ class Memcpy(Method):
 
     def setup(self) -> None:
         from asyncckpt.config import eager_staging_threads
-        from worker.staging import StagingPool
+        from asyncckpt_worker.staging import StagingPool
 
         tensors = state_tensors(self.state)
         total = sum(-(-t.numel() * t.element_size() // 64) * 64 for t in tensors)
