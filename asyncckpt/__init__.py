@@ -1,22 +1,41 @@
-"""asyncckpt: asynchronous PyTorch DCP checkpoints written by a persistent worker process."""
+"""asyncckpt: asynchronous PyTorch DCP checkpoints written by a persistent worker process.
 
-from .checkpointer import AsyncCheckpointer
-from .report import SaveReport
-from .config import CheckpointConfig
-from .errors import CheckpointError, CheckpointTimeoutError, WorkerDiedError
-from .loading import CheckpointInfo, cleanup, latest_checkpoint, list_checkpoints, load, verify_checkpoint
+The public names resolve on first use (PEP 562): the worker process imports `asyncckpt.protocol`,
+`formats`, `storage` and `errors`, and importing them must not load the trainer side (the
+checkpointer and its exit handler, planning, loading) into it.
+"""
 
-__all__ = [
-    "AsyncCheckpointer",
-    "CheckpointConfig",
-    "CheckpointError",
-    "CheckpointInfo",
-    "CheckpointTimeoutError",
-    "SaveReport",
-    "WorkerDiedError",
-    "cleanup",
-    "latest_checkpoint",
-    "list_checkpoints",
-    "load",
-    "verify_checkpoint",
-]
+from __future__ import annotations
+
+import importlib
+
+_PUBLIC = {  # name -> the module that defines it
+    "AsyncCheckpointer": "checkpointer",
+    "CheckpointConfig": "config",
+    "CheckpointError": "errors",
+    "CheckpointInfo": "loading",
+    "CheckpointTimeoutError": "errors",
+    "SaveReport": "report",
+    "WorkerDiedError": "errors",
+    "cleanup": "loading",
+    "latest_checkpoint": "loading",
+    "list_checkpoints": "loading",
+    "load": "loading",
+    "verify_checkpoint": "loading",
+}
+
+__all__ = sorted(_PUBLIC)
+
+
+def __getattr__(name: str):
+    module = _PUBLIC.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value  # resolved once
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+

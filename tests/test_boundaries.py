@@ -1,11 +1,18 @@
-"""Package boundaries: the worker package has a name of its own; the data-file naming rule is one rule for the worker that writes the files and the trainer side that
-commits, cleans up and inspects them."""
+"""Package boundaries: the worker process loads only the worker side of the library, under a
+package name of its own; the data-file naming rule is one rule for the worker that writes the
+files and the trainer side that commits, cleans up and inspects them."""
 
 from __future__ import annotations
 
+import json
+import logging
+import re
 import subprocess
 import sys
 
+import torch
+
+from asyncckpt import AsyncCheckpointer, CheckpointConfig
 from asyncckpt.formats import SAFETENSORS, TORCH_SAVE, data_file_name, is_data_file, new_file_tag
 
 
@@ -22,6 +29,69 @@ def test_every_data_file_name_is_recognised_with_its_tag():
     for foreign in ("model.safetensors", "__0_0.distcp.bak", "__0_0.tmp.distcp", ".metadata", "__0.metadata"):
         assert not is_data_file(foreign), foreign
 
+
+
+# the worker loads only the worker side -----------------------------------------------------------
+WORKER_SIDE = {"asyncckpt", "asyncckpt.errors", "asyncckpt.formats", "asyncckpt.msc_storage", "asyncckpt.protocol",
+               "asyncckpt.storage"}
+
+IMPORT_LIKE_THE_WORKER = """
+import atexit, json, sys
+registered = []
+register = atexit.register
+
+def recording(func, *args, **kwargs):
+    registered.append(str(getattr(func, "__module__", None)))
+    return register(func, *args, **kwargs)
+
+atexit.register = recording
+import asyncckpt_worker.main, asyncckpt.msc_storage  # its entry point; the object-store backend it may load
+print(json.dumps({"modules": [m for m in sys.modules if m.partition(".")[0] == "asyncckpt"], "atexit": registered}))
+"""
+
+
+def test_importing_the_worker_loads_no_trainer_module_and_no_exit_handler():
+    """The worker imports asyncckpt.protocol/formats/storage; that must not run the trainer side
+    (checkpointer, client, planning, commit, loading, safety...) nor register its exit handler."""
+    done = subprocess.run([sys.executable, "-c", IMPORT_LIKE_THE_WORKER], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    found = json.loads(done.stdout.splitlines()[-1])
+    assert set(found["modules"]) <= WORKER_SIDE, sorted(set(found["modules"]) - WORKER_SIDE)
+    assert not [m for m in found["atexit"] if m.partition(".")[0] == "asyncckpt"], found["atexit"]
+
+
+def test_the_spawned_worker_loads_no_trainer_module(tmp_path, capfd):
+    """The real worker, after serving a save, lists the library modules it holds (a DEBUG line
+    on its stderr as it exits): the worker side only."""
+    logger = logging.getLogger("asyncckpt")
+    level = logger.level
+    logger.setLevel(logging.DEBUG)  # the worker takes the trainer's level when it is spawned
+    try:
+        with AsyncCheckpointer(str(tmp_path / "ckpt"), CheckpointConfig(io_workers=2)) as ckpt:
+            ckpt.schedule_save({"w": torch.arange(8.0), "meta": {"step": 1}}, step=1)
+            ckpt.finalize(blocking=True)
+    finally:
+        logger.setLevel(level)
+    lines = re.findall(r"asyncckpt-worker\[0\] DEBUG exiting; asyncckpt modules loaded here: (.*)", capfd.readouterr().err)
+    assert len(lines) == 1, lines
+    modules = set(lines[0].split(", "))
+    assert {"asyncckpt.protocol", "asyncckpt.formats", "asyncckpt.storage"} <= modules
+    assert modules <= WORKER_SIDE, sorted(modules - WORKER_SIDE)
+
+
+def test_public_names_resolve_and_are_listed():
+    import asyncckpt
+
+    for name in asyncckpt.__all__:
+        assert getattr(asyncckpt, name) is not None
+        assert name in dir(asyncckpt)
+    assert asyncckpt.AsyncCheckpointer.__module__ == "asyncckpt.checkpointer"
+    try:
+        asyncckpt.no_such_name
+    except AttributeError as exc:
+        assert "no_such_name" in str(exc)
+    else:
+        raise AssertionError("an unknown name must raise AttributeError")
 
 
 # the worker package's name is ours ----------------------------------------------------------------

@@ -10,6 +10,7 @@ import gc
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -117,6 +118,12 @@ def run(conn, settings: WorkerSettings) -> None:
         loop.serve()
     finally:
         loop.close()
+        log.debug("exiting; asyncckpt modules loaded here: %s", ", ".join(_asyncckpt_modules()))
+
+
+def _asyncckpt_modules() -> list[str]:
+    """The library's modules in this process: the worker side only (see asyncckpt/__init__.py)."""
+    return sorted(name for name in sys.modules if name.partition(".")[0] == "asyncckpt")
 
 
 def _start_parent_watchdog(parent_pid: int, loop: ServeLoop) -> None:
