@@ -30,7 +30,7 @@ from .inflight import InFlightSave
 from .report import SaveReport, publish
 from .protocol import SaveFailed, SaveRequest, Staged, WorkerSettings, WriteDone, WriteOptions
 from .snapshot import Snapshot, copies_warning, take_snapshot
-from .storage import is_remote, storage_for
+from .storage import storage_for
 
 log = logging.getLogger("asyncckpt")
 
@@ -116,7 +116,7 @@ class AsyncCheckpointer:
         label = f"step {step}" if name is not None else f"checkpoint {step_dir!r}"
         local, problem, overwrite, created = None, None, False, False
         try:
-            if not is_remote(step_dir) and os.path.islink(step_dir):
+            if storage.is_symlink(step_dir):
                 raise CheckpointError(f"{step_dir!r} is a symlink; refusing to write a checkpoint through it")
             created = not storage.is_dir(step_dir)
             storage.prepare_dir(step_dir)  # proves the target writable before anything else
@@ -359,8 +359,9 @@ class AsyncCheckpointer:
         """Some rank could not start the save: every rank raises, naming the ranks and causes.
         The directory prepared for it goes too, unless it holds a committed checkpoint."""
         problems = self._group.all_gather(None if problem is None else str(problem))
-        if self._group.is_coordinator and (is_remote(step_dir) or not os.path.islink(step_dir)):
-            discard_uncommitted(storage_for(step_dir), step_dir, owns_dir=owns_dir)
+        storage = storage_for(step_dir)
+        if self._group.is_coordinator and not storage.is_symlink(step_dir):
+            discard_uncommitted(storage, step_dir, owns_dir=owns_dir)
         causes = "; ".join(f"rank {r}: {p}" for r, p in enumerate(problems) if p is not None)
         if self._group.size == 1 and problem is not None:
             raise problem

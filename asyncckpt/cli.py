@@ -23,7 +23,7 @@ from .loading import (
     sidecar_belongs_to,
 )
 from .safety import TRUST_HINT
-from .storage import Storage, is_remote, storage_for
+from .storage import Storage, storage_for
 
 EXIT_DAMAGED, EXIT_USAGE, EXIT_MISSING, EXIT_NOT_CHECKPOINT, EXIT_TORN, EXIT_UNREADABLE = 1, 2, 3, 4, 5, 6
 EXIT_INTERNAL = 70  # an unexpected exception (a bug): traceback on stderr
@@ -48,8 +48,8 @@ def _open_dir(path: str) -> tuple[Storage, str]:
         storage = storage_for(path)
     except CheckpointError as exc:
         raise CliError(str(exc), EXIT_UNREADABLE) from None
-    if not is_remote(path) and os.path.islink(path):
-        path = os.path.realpath(path)  # a symlinked root is fine; the library refuses links inside it
+    if storage.is_symlink(path):
+        path = storage.real_path(path)  # a symlinked root is fine; the library refuses links inside it
     if storage.is_dir(path):
         return storage, path
     if storage.exists(path):
@@ -205,7 +205,8 @@ def _ls_row(storage: Storage, info, state: str, latest: Optional[str]) -> list:
             if storage.exists(file):
                 size, count = size + storage.size(file), count + 1
         stamp = storage.join(info.path, METADATA_FILE) if info.committed else info.path
-        age = None if is_remote(stamp) else time.time() - os.path.getmtime(stamp)
+        modified = storage.modified_time(stamp)
+        age = None if modified is None else time.time() - modified
     except OSError:
         pass  # vanished while we looked: a torn save being cleaned up
     mark = "<- latest" if info.name == latest else ""

@@ -114,7 +114,7 @@ def discard_uncommitted(storage: Storage, step_dir: str, file_tag: str = "", own
                 storage.remove_tree(step_dir)
                 return
             for name in storage.list_dir(step_dir):
-                if DATA_FILE_NAME.match(name) or name == CHECKSUMS_FILE:
+                if is_data_file(name) or name == CHECKSUMS_FILE:
                     storage.remove_file(storage.join(step_dir, name))
             storage.remove_empty_dir(step_dir)
         elif file_tag:  # the committed checkpoint stays; so do files its .metadata names (ours, if

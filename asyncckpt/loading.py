@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import io
 import logging
-import os
 import re
 import warnings
 from dataclasses import dataclass
@@ -29,7 +28,7 @@ from torch.futures import Future
 from .errors import CheckpointError
 from .formats import CHECKSUMS_FILE, Sidecar, decode_checksums, is_data_file, is_safetensors_file
 from .safety import TRUST_HINT, check_range, check_relative_path, load_metadata, load_object, load_tensor, raw_tensor
-from .storage import LocalStorage, Storage, storage_for
+from .storage import Storage, storage_for
 
 log = logging.getLogger(__name__)
 
@@ -349,7 +348,7 @@ def cleanup(root: str, dry_run: bool = False) -> list[str]:
             log.warning("cleanup: keeping %s: it holds %s, which a save does not write", info.path, ", ".join(foreign[:3]))
         else:
             leftovers.append(info.path)
-    leftovers = [p for p in leftovers if not (isinstance(storage, LocalStorage) and os.path.islink(p))]
+    leftovers = [p for p in leftovers if not storage.is_symlink(p)]
     if not dry_run:
         for path in leftovers:
             if storage.is_dir(path):

@@ -174,6 +174,22 @@ class MscStorage(Storage):
 
         return self._call("list", path, has_keys)
 
+    def is_symlink(self, path: str) -> bool:
+        return False
+
+    def real_path(self, path: str) -> str:
+        return path
+
+    def modified_time(self, path: str) -> Optional[float]:
+        def last_modified(client, key) -> Optional[float]:
+            try:
+                info = client.info(key, strict=False)
+            except FileNotFoundError:  # a prefix, not an object
+                return None
+            return info.last_modified.timestamp() if info.type == "file" and info.last_modified else None
+
+        return self._call("stat", path, last_modified)
+
     def list_dir(self, path: str) -> list[str]:
         def names(client, key) -> list[str]:
             prefix = _as_prefix(key)

@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
 from .errors import CheckpointError
-from .storage import LocalStorage, Storage
+from .storage import Storage
 
 _DCP = "torch.distributed.checkpoint.metadata"
 _OLD_DCP = "torch.distributed._shard.sharded_tensor.metadata"  # where older torch releases pickled TensorProperties from
@@ -98,10 +98,9 @@ def check_relative_path(storage: Storage, directory: str, relative_path: str) ->
             or os.path.isabs(relative_path) or ".." in relative_path.replace("\\", "/").split("/"):
         raise CheckpointError(f"{directory}: refusing file {relative_path!r} named by the metadata: it is not inside the checkpoint")
     full = storage.join(directory, relative_path)
-    if isinstance(storage, LocalStorage):
-        real_dir = os.path.realpath(directory)
-        if os.path.commonpath([real_dir, os.path.realpath(full)]) != real_dir:
-            raise CheckpointError(f"{directory}: refusing file {relative_path!r}: it resolves outside the checkpoint (a symlink)")
+    real_dir, real_full = storage.real_path(directory), storage.real_path(full)
+    if real_full != real_dir and not real_full.startswith(real_dir.rstrip("/") + "/"):
+        raise CheckpointError(f"{directory}: refusing file {relative_path!r}: it resolves outside the checkpoint (a symlink)")
     return full
 
 

@@ -68,6 +68,20 @@ class Storage(ABC):
         """True for a real directory (or prefix holding keys); False for a symlink."""
 
     @abstractmethod
+    def is_symlink(self, path: str) -> bool:
+        """True when `path` itself is a symbolic link (never on an object store). Checkpoints are
+        not written, cleaned up or deleted through one."""
+
+    @abstractmethod
+    def real_path(self, path: str) -> str:
+        """`path` with every symbolic link in it resolved (on an object store: `path` itself)."""
+
+    @abstractmethod
+    def modified_time(self, path: str) -> Optional[float]:
+        """When a file or directory last changed, in seconds since the epoch; None where the
+        backend does not say (an object-store prefix)."""
+
+    @abstractmethod
     def list_dir(self, path: str) -> list[str]:
         """Names directly inside `path` (files and directories), dot-files included."""
 
@@ -175,6 +189,15 @@ class LocalStorage(Storage):
 
     def is_dir(self, path: str) -> bool:
         return os.path.isdir(path) and not os.path.islink(path)
+
+    def is_symlink(self, path: str) -> bool:
+        return os.path.islink(path)
+
+    def real_path(self, path: str) -> str:
+        return os.path.realpath(path)
+
+    def modified_time(self, path: str) -> Optional[float]:
+        return os.path.getmtime(path)
 
     def list_dir(self, path: str) -> list[str]:
         try:

@@ -125,3 +125,22 @@ def test_a_script_with_its_own_worker_module_checkpoints(tmp_path):
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "restored [0.0, 1.0, 2.0, 3.0, 4.0, 5.0] 3 the user's own worker module" in done.stdout
+
+
+# storage: callers ask the backend, not the type of it --------------------------------------------
+def test_ls_of_an_object_store_root_shows_the_age_of_each_checkpoint(s3_server, request, capsys):
+    """`asyncckpt ls` asks the storage when a checkpoint was committed, so an s3:// root shows
+    ages as a local one does (before, any object-store path showed "-"); a torn prefix has none."""
+    from asyncckpt import cli
+    from asyncckpt.storage import storage_for
+
+    root = s3_server.url("s3", s3_server.unique_prefix(request.node.name) + "/ckpt")
+    with AsyncCheckpointer(root) as ckpt:
+        ckpt.schedule_save({"w": torch.arange(8.0)}, step=1)
+    storage = storage_for(root)
+    storage.write_atomic(storage.join(root, "step_00000002", "__0_0.distcp"), b"torn")
+    code = cli.main(["ls", root])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert re.search(r"^ *1 +committed .* \d+[smhd] +step_00000001 +<- latest$", out, re.M), out
+    assert re.search(r"^ *2 +torn .* - +step_00000002$", out, re.M), out
