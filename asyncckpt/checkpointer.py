@@ -147,7 +147,7 @@ class AsyncCheckpointer:
             snapshot = take_snapshot(planned)
             self._warn_about_copies(snapshot)
             self._ensure_worker()
-            request = self._request_for(snapshot, step, step_dir, file_tag)
+            request = self._request_for(snapshot, step_dir, file_tag)
             if snapshot.has_cuda:
                 torch.cuda.current_stream().synchronize()  # the worker must see finished values
             self._client.send(request, self.config.timeout_s)
@@ -239,7 +239,7 @@ class AsyncCheckpointer:
         self.close()
 
     # save path -------------------------------------------------------------------------------
-    def _request_for(self, snapshot: Snapshot, step: int, step_dir: str, file_tag: str) -> SaveRequest:
+    def _request_for(self, snapshot: Snapshot, step_dir: str, file_tag: str) -> SaveRequest:
         held = self._holds
         known = self.config.cache_structure and held is not None and held.structure_key == snapshot.structure_key
         if known:
@@ -254,7 +254,6 @@ class AsyncCheckpointer:
         self._next_save_id += 1
         return SaveRequest(
             save_id=self._next_save_id,
-            step=step,
             checkpoint_dir=step_dir,
             structure_key=snapshot.structure_key,
             options=self._write_options(),

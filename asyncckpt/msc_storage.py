@@ -21,7 +21,6 @@ from typing import Any, Optional
 from .errors import CheckpointError
 from .storage import Storage, WriteHandle
 
-OBJECT_STORE_SCHEMES = ("msc", "s3")
 # msc sends a file at or below the profile's multipart threshold (64 MiB by default) as one PUT of
 # the whole file read into memory; such uploads share this budget, so together they never hold
 # more than this in memory (larger files stream in multipart chunks)

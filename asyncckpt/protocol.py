@@ -68,7 +68,6 @@ class SaveRequest:
     tensors the worker does not hold yet (by item position), `byte_items` every pickled object."""
 
     save_id: int
-    step: int
     checkpoint_dir: str
     structure_key: str
     options: WriteOptions
@@ -83,8 +82,6 @@ class Ready:
     """Worker -> trainer, once, when it can serve: bounded waits start counting from here, so a
     slow interpreter start is not mistaken for a stuck save."""
 
-    worker_pid: int
-
 
 @dataclass(frozen=True)
 class Shutdown:
@@ -97,7 +94,6 @@ class Staged:
 
     save_id: int
     staging_s: float
-    staged_bytes: int
     cache_hit: bool
     worker_pid: int
 
@@ -119,7 +115,6 @@ class WriteDone:
 
     save_id: int
     items: tuple[ItemWritten, ...]
-    files: tuple[str, ...]
     bytes_written: int
     write_s: float
 

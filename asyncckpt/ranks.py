@@ -113,10 +113,6 @@ class RankGroup:
         self._run("all_gather", lambda: dist.all_gather_object(out, obj, group=self.pg))
         return out
 
-    def barrier(self) -> None:
-        if self.size > 1:
-            self._run("barrier", lambda: dist.barrier(group=self.pg))
-
     def _run(self, what: str, collective: Callable[[], Any]) -> None:
         """Issue one collective. A failure (a rank died, or did not call within the group's
         timeout) becomes a CheckpointError, and every later collective refuses at once: the

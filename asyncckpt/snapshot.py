@@ -40,13 +40,12 @@ class Snapshot:
     fingerprints: list[Optional[Fingerprint]]
     always_fresh: frozenset[int]
     objects: dict[int, bytes]
-    tensor_bytes: int
     has_cuda: bool
 
 
 def take_snapshot(planned: PlannedSave) -> Snapshot:
     items, tensors, fingerprints, objects = [], [], [], {}
-    always_fresh, tensor_bytes, has_cuda = set(), 0, False
+    always_fresh, has_cuda = set(), False
     resolved: dict[int, tuple[torch.Tensor, bool]] = {}
     for pos, item in enumerate(planned.plan.items):  # resolve and check everything before moving anything
         if is_tensor_item(item):
@@ -73,7 +72,6 @@ def take_snapshot(planned: PlannedSave) -> Snapshot:
         items.append(ItemSpec(item.index, TENSOR, tensor.dtype, tuple(tensor.shape)))
         tensors.append(tensor)
         fingerprints.append(_fingerprint(tensor))
-        tensor_bytes += tensor.numel() * tensor.element_size()
     return Snapshot(
         planned.structure_key,
         tuple(items),
@@ -81,7 +79,6 @@ def take_snapshot(planned: PlannedSave) -> Snapshot:
         fingerprints,
         frozenset(always_fresh),
         objects,
-        tensor_bytes,
         has_cuda,
     )
 

@@ -2,7 +2,7 @@
 
 Every method saves the SAME in-memory state (default 1 GiB of float32/bf16 tensors of mixed sizes
 plus a few plain Python items) to the SAME disk directory, in one process run, so the numbers are
-comparable even on a noisy shared disk (DESIGN.md §9, perf_anchors.md §3):
+comparable even on a noisy shared disk (README: "Benchmark"):
 
   raw_write            one sequential file of the same byte count, fsync'd (disk ceiling)
   memcpy               copy of every tensor into reused host buffers on the threads asyncckpt's eager
@@ -1131,7 +1131,7 @@ class Ratio:
 
 
 def compute_ratios(results: list[MethodResult], state_bytes: int) -> list[Ratio]:
-    """The headline ratios of DESIGN.md §9 / perf_anchors.md §6."""
+    """The headline ratios the README's "Benchmark" section reports."""
     by = {r.name: r for r in results if r.status == "ok"}
 
     def get(name: str, attr: str) -> Optional[float]:

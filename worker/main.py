@@ -61,9 +61,9 @@ class ServeLoop:
         phase = "cache"
         started = time.perf_counter()
 
-        def staged(staged_bytes: int) -> None:
+        def staged() -> None:
             nonlocal phase
-            self.conn.send(Staged(request.save_id, time.perf_counter() - started, staged_bytes, hit, os.getpid()))
+            self.conn.send(Staged(request.save_id, time.perf_counter() - started, hit, os.getpid()))
             phase = "write"
 
         try:
@@ -113,7 +113,7 @@ def run(conn, settings: WorkerSettings) -> None:
     loop = ServeLoop(conn, settings)
     _start_parent_watchdog(settings.parent_pid, loop)
     gc.freeze()
-    conn.send(Ready(os.getpid()))
+    conn.send(Ready())
     try:
         loop.serve()
     finally:

@@ -31,9 +31,9 @@ def run_save(
     pool: StagingPool,
     writers: Writers,
     rank: int,
-    on_staged: Callable[[int], None],
+    on_staged: Callable[[], None],
 ) -> WriteDone:
-    """Stage and write one save; call `on_staged(bytes copied)` once every byte is copied."""
+    """Stage and write one save; call `on_staged()` once every byte is copied."""
     options = request.options
     object_sizes = {pos: len(data) for pos, data in request.byte_items.items()}
     buckets = make_buckets(
@@ -43,7 +43,7 @@ def run_save(
     data = SaveData(entry.items, _views(entry, pool, rounds, options.staging_budget_bytes), request.byte_items, options)
     files = open_files(storage_for(request.checkpoint_dir), request.checkpoint_dir, buckets, entry.items, options)
     file_of = {pos: file for file in files for pos in file.bucket.positions}
-    written, staged_bytes, write_s = [], 0, 0.0
+    written, write_s = [], 0.0
     try:
         for n, round_ in enumerate(rounds):
             last = n == len(rounds) - 1
@@ -52,17 +52,16 @@ def run_save(
                 started = time.perf_counter()
                 written += write_streamed(data, file_of[pos], pos, pool.pieces(entry.sources[pos]))
                 write_s += time.perf_counter() - started
-                staged_bytes += entry.items[pos].nbytes
                 parts = []
             else:
-                staged_bytes += pool.copy_in(
+                pool.copy_in(
                     [entry.sources[p] for p in round_.positions],
                     [data.staged[p] for p in round_.positions],
                     options.staging_threads,
                 )
                 parts = [(f, p) for f, p in _parts(files, file_of, round_) if p]
             if last:
-                on_staged(staged_bytes)
+                on_staged()
                 parts = _parts(files, file_of, Round([]) if round_.streamed else round_)
             started = time.perf_counter()
             if parts:
@@ -74,7 +73,6 @@ def run_save(
     return WriteDone(
         save_id=request.save_id,
         items=tuple(written),
-        files=tuple(f.bucket.file_name for f in files),
         bytes_written=sum(item.length for item in written),
         write_s=write_s,
     )

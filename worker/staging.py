@@ -78,8 +78,8 @@ class StagingPool:
 
     def copy_in(
         self, sources: Sequence[Optional[torch.Tensor]], views: Sequence[Optional[torch.Tensor]], threads: int = 1
-    ) -> int:
-        """Copy every source tensor into its staging view; return the bytes copied.
+    ) -> None:
+        """Copy every source tensor into its staging view.
 
         GPU sources are copied with non-blocking copies on a side stream and one synchronize.
         CPU sources are cut into pieces that `threads` threads take from one queue, so a thread
@@ -97,7 +97,6 @@ class StagingPool:
         else:
             for src, dst in pairs:
                 dst.copy_(src)
-        return sum(dst.nbytes for _, dst in pairs)
 
     def _copy_on_threads(self, pieces: list[tuple[torch.Tensor, torch.Tensor]], threads: int) -> None:
         queue = iter(pieces)
