@@ -36,7 +36,7 @@ METADATA_FILE = ".metadata"
 LATEST_FILE = "latest"
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
 # write_atomic's temp files (stock DCP: .metadata.tmp) and prepare_dir's probes
-_TEMP_FILE = re.compile(r"^\.(\.metadata|\.checksums\.json|latest)\.tmp-\d+$|^\.metadata\.tmp$|^\.asyncckpt-probe-[\w-]+$")
+_TEMP_FILE = re.compile(r"^\.(\.metadata|\.checksums\.json|latest)\.tmp-[A-Za-z0-9-]+$|^\.metadata\.tmp$|^\.asyncckpt-probe-[\w-]+$")
 
 
 def step_dir_name(step: int) -> str:

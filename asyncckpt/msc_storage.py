@@ -15,11 +15,10 @@ import os
 import tempfile
 import threading
 import time
-import uuid
 from typing import Any, Optional
 
 from .errors import CheckpointError
-from .storage import Storage, WriteHandle
+from .storage import Storage, WriteHandle, unique_suffix
 
 # msc sends a file at or below the profile's multipart threshold (64 MiB by default) as one PUT of
 # the whole file read into memory; such uploads share this budget, so together they never hold
@@ -133,7 +132,7 @@ class MscStorage(Storage):
         now = time.monotonic()
         if any(now - self._proven.get(p, -math.inf) < self.PROBE_TTL_S for p in _self_and_parents(path)):
             return
-        probe = self.join(path, f".asyncckpt-probe-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        probe = self.join(path, f".asyncckpt-probe-{unique_suffix()}")
         try:
             self._call("write", probe, lambda client, key: client.write(key, b""))
             self._call("delete", probe, lambda client, key: client.delete(key))

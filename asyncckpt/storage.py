@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import shutil
+import socket
 import threading
+import uuid
 from abc import ABC, abstractmethod
 from typing import Optional
 
@@ -147,8 +150,8 @@ class LocalStorage(Storage):
     def prepare_dir(self, path: str) -> None:
         try:
             os.makedirs(path, exist_ok=True)
-            probe = os.path.join(path, f".asyncckpt-probe-{os.getpid()}")
-            with open(probe, "wb"):
+            probe = os.path.join(path, f".asyncckpt-probe-{unique_suffix()}")
+            with open(probe, "xb"):
                 pass
             os.unlink(probe)
         except OSError as exc:
@@ -162,9 +165,9 @@ class LocalStorage(Storage):
 
     def write_atomic(self, path: str, data: bytes, fsync: bool = True) -> None:
         directory = os.path.dirname(path) or "."
-        tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp-{os.getpid()}")
+        tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp-{unique_suffix()}")
         try:
-            with open(tmp, "wb") as f:
+            with open(tmp, "xb") as f:
                 f.write(data)
                 f.flush()
                 if fsync:
@@ -231,6 +234,15 @@ class LocalStorage(Storage):
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+_HOST = re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname())[:40] or "host"
+
+
+def unique_suffix() -> str:
+    """host-pid-random: a probe or temp name no other rank, process or call uses, even where
+    ranks on different nodes share a pid (containers) and a filesystem. Only [A-Za-z0-9-]."""
+    return f"{_HOST}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
 
 
 def _ignore_missing(func, path, exc_info) -> None:
