@@ -25,7 +25,7 @@ from .errors import CheckpointError, CheckpointTimeoutError, WorkerDiedError
 from .formats import new_file_tag
 from .loading import METADATA_FILE, latest_checkpoint, load, step_dir_name
 from .planning import Planning
-from .ranks import RankGroup
+from .ranks import RankGroup, finalize_bound_s
 from .inflight import InFlightSave
 from .report import SaveReport, publish
 from .protocol import SaveFailed, SaveRequest, Staged, WorkerSettings, WriteDone, WriteOptions
@@ -267,30 +267,30 @@ class AsyncCheckpointer:
         c = self.config
         return WriteOptions(
             c.io, c.io_workers, c.format, c.fsync, c.checksums, c.separation_hint, c.staging_budget_bytes,
-            staging_threads=eager_staging_threads() if c.staging == "eager" else 1,
+            staging_threads=eager_staging_threads() if c.staging == "eager" else 1, timeout_s=c.timeout_s,
         )
 
     def _finish_in_flight(self, blocking: bool) -> None:
         flight = self._in_flight
         if flight.outcome is None:
             flight.outcome = self._local_outcome(flight, blocking)
-        outcome = flight.outcome
         ident = -1 if flight.step is None else flight.step
-        [not_done] = self._group.agree([outcome is None], "finalize", ident)
-        while not_done and blocking:  # ours is done; wait with the others, one agreement per poll
-            time.sleep(0.05)
-            [not_done] = self._group.agree([0], "finalize", ident)
-        if not_done:
+        bound, pending = finalize_bound_s(self.config.timeout_s), flight.outcome is None
+        not_done, gave_up = self._group.agree_finished(pending, blocking, ident, bound)
+        if not_done and not gave_up:
             return
+        if flight.outcome is None:  # another rank's blocking finalize waited its bound for this one
+            self._reset_worker(kill=True)
+            flight.outcome = RankOutcome(self.rank, error="unfinished when another rank's finalize stopped waiting")
         target = SaveTarget(
             self.root, flight.step, flight.name, flight.step_dir, flight.metadata, flight.file_tag, flight.owns_dir
         )
         storage = storage_for(flight.step_dir)
-        verdict = finish_save(self._group, storage, target, outcome, self.config.fsync, self.config.keep_last)
+        verdict = finish_save(self._group, storage, target, flight.outcome, self.config.fsync, self.config.keep_last)
         self._in_flight = None
         if not verdict.committed:
             raise CheckpointError(f"{flight.label} not committed: {verdict.error}")
-        report = flight.report(self.rank, verdict, outcome, self._group.collectives)
+        report = flight.report(self.rank, verdict, flight.outcome, self._group.collectives)
         self._committed.append(report)
         publish(report, self.config.metrics_path, self.config.on_commit)
 

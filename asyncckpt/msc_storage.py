@@ -36,10 +36,13 @@ class _MemoryBudget:
         self._cond = threading.Condition()
 
     @contextlib.contextmanager
-    def hold(self, nbytes: int):
+    def hold(self, nbytes: int, timeout_s: float, what: str):
+        """Hold `nbytes` of the budget; TimeoutError naming `what` if they are not free within
+        `timeout_s` (another upload holding them hangs)."""
         nbytes = min(nbytes, self._total)
         with self._cond:
-            self._cond.wait_for(lambda: self._free >= nbytes)
+            if not self._cond.wait_for(lambda: self._free >= nbytes, timeout_s):
+                raise TimeoutError(f"{what}: {nbytes} bytes of upload memory not free within {timeout_s:.1f}s")
             self._free -= nbytes
         try:
             yield
@@ -59,8 +62,9 @@ class _SpooledUpload(WriteHandle):
     file in multipart chunks; a file small enough for one PUT is read whole, within the storage's
     shared `upload_memory` budget, so memory stays bounded whatever the objects' sizes."""
 
-    def __init__(self, storage: "MscStorage", path: str) -> None:
+    def __init__(self, storage: "MscStorage", path: str, timeout_s: float) -> None:
         self.path = path
+        self.timeout_s = timeout_s  # bounds the wait for upload memory; the worker bounds the rest
         self._storage = storage
         fd, self._tmp = tempfile.mkstemp(prefix="asyncckpt-upload-", suffix=".part")
         self._file = os.fdopen(fd, "wb", buffering=0)
@@ -79,7 +83,7 @@ class _SpooledUpload(WriteHandle):
 
             def upload(client, key) -> None:
                 in_memory = size if size <= _single_put_limit(client) else 0
-                with self._storage.upload_memory.hold(in_memory):
+                with self._storage.upload_memory.hold(in_memory, self.timeout_s, f"upload {self.path}"):
                     client.upload_file(key, self._tmp)
 
             self._storage._call("upload", self.path, upload)
@@ -140,8 +144,8 @@ class MscStorage(Storage):
             raise CheckpointError(f"checkpoint directory {path!r} is not writable: {exc}") from exc
         self._proven[path] = now
 
-    def create(self, path: str, fsync: bool = True) -> WriteHandle:
-        return _SpooledUpload(self, path)  # an upload is durable once it returns: fsync has no work
+    def create(self, path: str, fsync: bool = True, timeout_s: float = 600.0) -> WriteHandle:
+        return _SpooledUpload(self, path, timeout_s)  # an upload is durable once it returns: fsync has no work
 
     def write_atomic(self, path: str, data: bytes, fsync: bool = True) -> None:
         self._call("write", path, lambda client, key: client.write(key, bytes(data)))

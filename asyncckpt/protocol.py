@@ -60,6 +60,12 @@ class WriteOptions:
     separation_hint: Optional[str] = None
     staging_budget_bytes: Optional[int] = None
     staging_threads: int = 1  # CPU copy threads: the trainer waits idle in eager mode, computes in lazy
+    # the trainer's bound on staging and, separately, on the writes; the worker fails a write still
+    # running after WORKER_DEADLINE_SHARE of it (naming the file) so its verdict arrives first
+    timeout_s: float = 600.0
+
+
+WORKER_DEADLINE_SHARE = 0.9
 
 
 @dataclass

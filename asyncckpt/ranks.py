@@ -11,6 +11,7 @@ With one process (no process group) every collective is a local no-op.
 
 from __future__ import annotations
 
+import time
 from datetime import timedelta
 from typing import Any, Callable, Optional, Sequence
 
@@ -29,6 +30,12 @@ def collective_timeout_s(timeout_s: float) -> float:
     then the writes, each up to `timeout_s`), plus a margin for a fresh worker's start-up, so a
     rank whose own wait ran out reaches the collective and reports its cause."""
     return 2 * timeout_s + 30.0
+
+
+def finalize_bound_s(timeout_s: float) -> float:
+    """How long a blocking finalize whose own rank is done waits for the others: a healthy rank
+    needs at most `timeout_s` for Staged and `timeout_s` for its writes."""
+    return 2 * timeout_s
 
 
 class RankGroup:
@@ -80,6 +87,18 @@ class RankGroup:
                 "same points with the same step"
             )
         return [int(v) for v in values[6:]]
+
+    def agree_finished(self, pending: bool, blocking: bool, step: int, bound_s: float) -> tuple[bool, bool]:
+        """Whether any rank's save is still pending, and whether a rank gave up waiting for it.
+        Blocking (this rank is done then), poll the others, one agreement per poll, until none
+        is pending or `bound_s` passed: then this rank says it gives up, and every rank learns
+        so from the same agreement (a rank still pending then fails its save)."""
+        pending_any, gave_up = self.agree([int(pending), 0], "finalize", step)
+        deadline = time.monotonic() + bound_s
+        while pending_any and not gave_up and blocking:
+            time.sleep(0.05)
+            pending_any, gave_up = self.agree([0, int(time.monotonic() > deadline)], "finalize", step)
+        return bool(pending_any), bool(gave_up)
 
     def gather(self, obj: Any) -> Optional[list[Any]]:
         """Objects of every rank on the coordinator (None elsewhere)."""

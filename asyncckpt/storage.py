@@ -51,8 +51,9 @@ class Storage(ABC):
         Called before any work of a save is handed off."""
 
     @abstractmethod
-    def create(self, path: str, fsync: bool = True) -> WriteHandle:
-        """Open a data file for writing from the start."""
+    def create(self, path: str, fsync: bool = True, timeout_s: float = 600.0) -> WriteHandle:
+        """Open a data file for writing from the start; its commit waits at most `timeout_s`
+        for anything the backend shares between files (upload memory)."""
 
     @abstractmethod
     def write_atomic(self, path: str, data: bytes, fsync: bool = True) -> None:
@@ -160,7 +161,7 @@ class LocalStorage(Storage):
                 reason = "a path component is a file, not a directory"
             raise CheckpointError(f"checkpoint directory {path!r} is not writable: {reason}") from exc
 
-    def create(self, path: str, fsync: bool = True) -> WriteHandle:
+    def create(self, path: str, fsync: bool = True, timeout_s: float = 600.0) -> WriteHandle:
         return _LocalFile(path, fsync)
 
     def write_atomic(self, path: str, data: bytes, fsync: bool = True) -> None:

@@ -12,6 +12,7 @@ import textwrap
 import threading
 import time
 
+import psutil
 import pytest
 import torch
 import torch.distributed as dist
@@ -285,3 +286,40 @@ def test_a_rank_that_dies_fails_the_others_instead_of_hanging(tmp_path):
     run_ranks(_one_rank_dies, 2, str(tmp_path / "ckpt"), out, timeout_s=90)
     with open(out) as f:
         assert json.load(f)["waited"] < 30
+
+
+def _peer_never_finishes(rank: int, world: int, root: str) -> None:
+    """Rank 0 (timeout_s=2) finalizes blocking while rank 1's worker is frozen before it could
+    stage and rank 1 (timeout_s=600, lazy) keeps polling: rank 0 gives up after its own bound
+    (2 x timeout_s), not rank 1's, and both ranks raise; the next save works on both."""
+    timeout_s = 2.0 if rank == 0 else 600.0
+    staging = "eager" if rank == 0 else "lazy"
+    state = {f"rank{rank}": torch.full((1000,), float(rank))}
+    with AsyncCheckpointer(root, CheckpointConfig(io_workers=1, timeout_s=timeout_s, staging=staging)) as ckpt:
+        ckpt.schedule_save(state, step=1)
+        ckpt.finalize(blocking=True)
+        stuck = ckpt.worker_pid
+        if rank == 1:
+            os.kill(stuck, signal.SIGSTOP)
+        ckpt.schedule_save(state, step=2)
+        started = time.monotonic()
+        with pytest.raises(CheckpointError) as failure:
+            if rank == 0:
+                ckpt.finalize(blocking=True)
+            else:
+                while True:  # a training loop's polls: one agreement each, paired with rank 0's polls
+                    ckpt.finalize()
+        elapsed = time.monotonic() - started
+        message = str(failure.value)
+        assert "step 2 not committed" in message and "rank 1" in message and "stopped waiting" in message, message
+        if rank == 0:
+            print(f"\nrank 0 gave up {elapsed:.1f}s after finalize started (bound {2 * timeout_s:.0f}s)")
+            assert elapsed < 2 * timeout_s + 20  # far below rank 1's own bound (600 s)
+        else:
+            assert not psutil.pid_exists(stuck) or psutil.Process(stuck).status() == psutil.STATUS_ZOMBIE
+        ckpt.schedule_save(state, step=3)
+        assert [r.step for r in ckpt.finalize(blocking=True)] == [3]
+
+
+def test_blocking_finalize_gives_up_after_its_own_bound_when_a_rank_never_finishes(tmp_path):
+    run_ranks(_peer_never_finishes, 2, str(tmp_path / "ckpt"), timeout_s=120)

@@ -385,3 +385,30 @@ def test_worker_memory_while_uploading_stays_near_the_staging_pool(s3, tmp_path)
         if "local" in reports:
             ratio = reports["local"].write_s / reports["s3"].write_s
             print(f"{label}: s3 (moto) writes at {ratio:.2f}x the local disk's rate")
+
+
+def test_upload_memory_wait_is_bounded_and_names_the_upload():
+    """An upload that hangs while holding the shared upload memory must not hold the next
+    upload forever: its wait ends at its bound with a TimeoutError naming it."""
+    from asyncckpt.msc_storage import _MemoryBudget
+
+    budget = _MemoryBudget(100)
+    held, release = threading.Event(), threading.Event()
+
+    def hanging_upload() -> None:
+        with budget.hold(100, 60.0, "upload first"):
+            held.set()
+            release.wait(60)
+
+    thread = threading.Thread(target=hanging_upload)
+    thread.start()
+    try:
+        assert held.wait(60)
+        with pytest.raises(TimeoutError, match="upload s3://b/k: 50 bytes of upload memory not free within 0.2s"):
+            with budget.hold(50, 0.2, "upload s3://b/k"):
+                pass
+    finally:
+        release.set()
+        thread.join(60)
+    with budget.hold(100, 0.2, "upload after"):  # nothing leaked from the failed wait
+        pass

@@ -16,7 +16,7 @@ import time
 from typing import Callable, Optional
 
 from asyncckpt.formats import SAFETENSORS, SafetensorsEntry, safetensors_header
-from asyncckpt.protocol import ItemSpec, SaveRequest, WriteDone, WriteOptions
+from asyncckpt.protocol import WORKER_DEADLINE_SHARE, ItemSpec, SaveRequest, WriteDone, WriteOptions
 from asyncckpt.storage import Storage, storage_for
 
 from .buckets import Bucket, Round, make_buckets, plan_rounds
@@ -44,6 +44,8 @@ def run_save(
     files = open_files(storage_for(request.checkpoint_dir), request.checkpoint_dir, buckets, entry.items, options)
     file_of = {pos: file for file in files for pos in file.bucket.positions}
     written, write_s = [], 0.0
+    bound = options.timeout_s * WORKER_DEADLINE_SHARE
+    deadline = time.monotonic() + bound  # rounds before Staged count against the staging bound
     try:
         for n, round_ in enumerate(rounds):
             last = n == len(rounds) - 1
@@ -62,10 +64,11 @@ def run_save(
                 parts = [(f, p) for f, p in _parts(files, file_of, round_) if p]
             if last:
                 on_staged()
+                deadline = time.monotonic() + bound  # the writes get their own bound, as in the trainer
                 parts = _parts(files, file_of, Round([]) if round_.streamed else round_)
             started = time.perf_counter()
             if parts:
-                written += writers.run(data, parts, final=last)
+                written += writers.run(data, parts, final=last, deadline=deadline)
             write_s += time.perf_counter() - started
     except BaseException:
         abort(files)
@@ -87,7 +90,7 @@ def open_files(
         for bucket in buckets:
             path = storage.join(directory, bucket.file_name)
             try:
-                file = OpenFile(bucket, path, storage.create(path, fsync=options.fsync))
+                file = OpenFile(bucket, path, storage.create(path, options.fsync, options.timeout_s * WORKER_DEADLINE_SHARE))
                 files.append(file)
                 if bucket.format == SAFETENSORS:
                     file.offset = file.handle.write(_safetensors_header(bucket, items))

@@ -11,9 +11,12 @@ import logging
 import errno
 import os
 import pickle
+import select
 import signal
+import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
 from typing import Iterable, Optional, Sequence
 
 import torch
@@ -123,17 +126,22 @@ class Writers:
         self._thread_count = 0
         self.children: set[int] = set()  # pids of live forked writers, for the watchdog
 
-    def run(self, data: SaveData, parts: list[tuple[OpenFile, list[int]]], final: bool) -> list[ItemWritten]:
+    def run(
+        self, data: SaveData, parts: list[tuple[OpenFile, list[int]]], final: bool, deadline: float
+    ) -> list[ItemWritten]:
         """Write every part (one per file, so no two writers share a file); with `final`, also
-        commit every file of `parts`. Waits for all before reporting the first failure."""
+        commit every file of `parts`. Waits for all (until the monotonic `deadline`: a write or
+        upload still running then fails, naming its file) before reporting the first failure."""
         options = data.options
         if options.io == "process":
-            outcomes = self._in_children(data, [(f, p) for f, p in parts if p])
-            if final:
-                outcomes += self._in_threads(options.io_workers, [(f, _commit, (f,)) for f, _ in parts])
+            outcomes = self._in_children(data, [(f, p) for f, p in parts if p], deadline)
+            # commit (on object stores: upload) only when every child's part landed: a file a child
+            # failed on is partial and must never be published; the caller aborts them all
+            if final and not any(isinstance(o, WriteError) for o in outcomes):
+                outcomes += self._in_threads(options, [(f, _commit, (f,)) for f, _ in parts], deadline)
         else:
             calls = [(f, write_part, (data, f, p, final)) for f, p in parts]
-            outcomes = self._in_threads(options.io_workers, calls)
+            outcomes = self._in_threads(options, calls, deadline)
         first_error = next((o for o in outcomes if isinstance(o, WriteError)), None)
         if first_error is not None:
             raise first_error
@@ -148,9 +156,11 @@ class Writers:
                 file.committed = True
         return written
 
-    def _in_threads(self, workers: int, calls: list[tuple]) -> list:
+    def _in_threads(self, options: WriteOptions, calls: list[tuple], deadline: float) -> list:
         """Run (file, fn, args) calls on the writer threads; each outcome is a WriteError,
-        None, or (items, end, file)."""
+        None, or (items, end, file). A call still running at `deadline` becomes a WriteError and
+        its pool is abandoned (a thread cannot be killed): the next round gets fresh threads."""
+        workers = options.io_workers
         if self._threads is None or self._thread_count != workers:
             self.close()
             # torch's serialization config is per thread (a ContextVar): each writer thread turns
@@ -163,35 +173,58 @@ class Writers:
         outcomes = []
         for file, future in futures:
             try:
-                result = future.result()
+                result = future.result(timeout=max(deadline - time.monotonic(), 0))
             except WriteError as exc:
                 outcomes.append(exc)
                 continue
+            except FutureTimeout:
+                outcomes.append(WriteError(file.path, f"write did not finish within {options.timeout_s:.1f}s"))
+                continue
             outcomes.append(None if result is None else (*result, file))
+        if any(not future.done() for _, future in futures):
+            log.warning("writer threads stuck past the save's deadline; abandoning them")
+            self._threads.shutdown(wait=False, cancel_futures=True)
+            self._threads = None
         return outcomes
 
-    def _in_children(self, data: SaveData, parts: list[tuple[OpenFile, list[int]]]) -> list:
-        launched = [(file, *self._fork_writer(data, file, positions)) for file, positions in parts]
-        outcomes = []
-        for file, pid, read_fd in launched:
-            payload = _read_all(read_fd)
-            _, status = os.waitpid(pid, 0)
-            self.children.discard(pid)
-            try:
-                outcome = pickle.loads(payload)
-            except Exception:
-                outcome = WriteError(file.path, f"writer process died ({_exit_reason(status)})")
-            outcomes.append(outcome if isinstance(outcome, WriteError) else (*outcome, file))
-        return outcomes
+    def _in_children(self, data: SaveData, parts: list[tuple[OpenFile, list[int]]], deadline: float) -> list:
+        """Fork one writer per part and collect every outcome by `deadline`; a child still
+        running then is killed and its file named in a WriteError."""
+        launched: list[_Child] = []
+        try:
+            for file, positions in parts:
+                launched.append(_Child(file, *self._fork_writer(data, file, positions)))
+            _read_results(launched, deadline)
+        finally:
+            for child in launched:
+                os.close(child.read_fd)
+                self._reap(child, deadline)
+        return [_child_outcome(child, data.options.timeout_s) for child in launched]
+
+    def _reap(self, child: "_Child", deadline: float) -> None:
+        """Collect the child's exit status; one that has not exited by `deadline` (or whose
+        result never came) is killed first. Never waits unbounded on a live child."""
+        while child.status is None:
+            pid, status = os.waitpid(child.pid, os.WNOHANG)
+            if pid:
+                child.status = status
+            elif child.eof and time.monotonic() < deadline:
+                time.sleep(0.001)  # its pipe closed: it is exiting
+            else:
+                child.killed = not child.eof
+                os.kill(child.pid, signal.SIGKILL)  # ends a stopped child too
+                child.status = os.waitpid(child.pid, 0)[1]
+        self.children.discard(child.pid)
 
     def _fork_writer(self, data: SaveData, file: OpenFile, positions: list[int]) -> tuple[int, int]:
         read_fd, write_fd = os.pipe()
+        worker_pid = os.getpid()
         pid = os.fork()
         if pid == 0:  # child: write one part, report, exit without running any parent cleanup
             code = 0
             try:
                 os.close(read_fd)
-                _die_with_parent()
+                _die_with_parent(worker_pid)
                 _prepare_writer(self._nice)
                 try:
                     outcome = write_part(data, file, positions, commit=False)
@@ -227,16 +260,46 @@ def _commit(file: OpenFile):
     return None
 
 
-def _read_all(fd: int) -> bytes:
-    chunks = []
-    try:
-        while True:
+@dataclass
+class _Child:
+    """A forked writer: its file, pid, the read end of its result pipe, what came back."""
+
+    file: OpenFile
+    pid: int
+    read_fd: int
+    payload: bytearray = field(default_factory=bytearray)
+    eof: bool = False
+    status: Optional[int] = None
+    killed: bool = False  # by us, for not finishing in time
+
+
+def _read_results(children: list[_Child], deadline: float) -> None:
+    """Read every child's result pipe to its end, all at once (a child blocks on a full pipe),
+    until `deadline`."""
+    waiting = {child.read_fd: child for child in children}
+    while waiting:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return
+        ready, _, _ = select.select(list(waiting), [], [], left)
+        for fd in ready:
             chunk = os.read(fd, 1 << 16)
-            if not chunk:
-                return b"".join(chunks)
-            chunks.append(chunk)
-    finally:
-        os.close(fd)
+            if chunk:
+                waiting[fd].payload += chunk
+            else:
+                waiting.pop(fd).eof = True
+
+
+def _child_outcome(child: _Child, timeout_s: float):
+    """(items, end, file), or the WriteError naming the child's file."""
+    path = child.file.path
+    if child.killed:
+        return WriteError(path, f"writer process {child.pid} did not finish within {timeout_s:.1f}s; killed it")
+    try:
+        outcome = pickle.loads(bytes(child.payload))
+    except Exception:
+        return WriteError(path, f"writer process died ({_exit_reason(child.status)})")
+    return outcome if isinstance(outcome, WriteError) else (*outcome, child.file)
 
 
 def _exit_reason(status: int) -> str:
@@ -257,11 +320,15 @@ def _prepare_writer(nice: Optional[int]) -> None:
             log.warning("could not lower writer CPU priority by %d: %s", nice, exc)
 
 
-def _die_with_parent() -> None:
-    """Ask Linux to SIGKILL this writer child when the worker that forked it dies."""
+def _die_with_parent(parent_pid: int) -> None:
+    """Ask Linux to SIGKILL this writer child when the worker that forked it dies. The request
+    covers only a parent alive when it is made: if the worker died in between, this child is
+    already an orphan, so it checks and exits instead of writing for nobody."""
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         PR_SET_PDEATHSIG = 1
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     except OSError:
         pass
+    if os.getppid() != parent_pid:
+        os._exit(4)
