@@ -76,6 +76,9 @@ class _SpooledUpload(WriteHandle):
             written += self._file.write(view[written:])
         return written
 
+    def fileno(self) -> int:
+        return self._file.fileno()
+
     def commit(self) -> None:
         try:
             self._file.close()

@@ -30,6 +30,10 @@ class WriteHandle(ABC):
         """Append bytes (any buffer); return how many were written."""
 
     @abstractmethod
+    def fileno(self) -> int:
+        """The OS descriptor the bytes go to (unbuffered): a forked writer appends through it."""
+
+    @abstractmethod
     def commit(self) -> None:
         """Make the file complete and durable (flush, fsync when asked, close)."""
 
@@ -126,6 +130,9 @@ class _LocalFile(WriteHandle):
         while written < len(view):  # a raw file may write less than asked
             written += self._file.write(view[written:])
         return written
+
+    def fileno(self) -> int:
+        return self._file.fileno()
 
     def commit(self) -> None:
         if self._fsync:

@@ -117,15 +117,16 @@ def assert_state_equal(actual, expected, path: str = "") -> None:
 
 
 def owned_memory_bytes(pid: int) -> int:
-    """Memory a process owns: its private pages plus its anonymous shared mappings (the worker's
-    staging slab is MAP_SHARED so forked writers can read it; smaps names it /dev/zero). The
-    trainer's tensors, which the worker maps from /dev/shm, are not counted."""
+    """Memory a process owns: its private pages plus its own shared mappings (the worker's
+    staging slab is a MAP_SHARED memfd so forked writers can map it; smaps names it
+    /memfd:asyncckpt-staging). The trainer's tensors, which the worker maps from /dev/shm, are
+    not counted."""
     total, owned_shared = 0, False
     with open(f"/proc/{pid}/smaps") as f:
         for line in f:
             key, _, rest = line.partition(":")
             if " " in key or "-" in key:  # a mapping's header: address range, perms, ..., name
-                owned_shared = line.rstrip().endswith("/dev/zero (deleted)")
+                owned_shared = line.rstrip().endswith(("/memfd:asyncckpt-staging (deleted)", "/dev/zero (deleted)"))
             elif key in ("Private_Clean", "Private_Dirty") or (owned_shared and key in ("Shared_Clean", "Shared_Dirty")):
                 total += int(rest.split()[0]) * 1024
     return total

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from asyncckpt import AsyncCheckpointer, CheckpointConfig, CheckpointError, load
-from conftest import assert_state_equal, clone_state, zeros_like_state
+from conftest import assert_state_equal, clone_state, wait_gone, zeros_like_state
 
 MiB = 1 << 20
 
@@ -33,7 +33,7 @@ def two_file_state(step: int) -> dict:
 
 
 def test_child_failing_mid_file_on_object_store_publishes_no_object(s3_server):
-    """The worker's file-size limit (inherited by its children) stops the child writing the 4 MiB
+    """The writers' file-size limit (set on the worker and its fork server) stops the child writing the 4 MiB
     file at 1 MiB (EFBIG: Python ignores SIGXFSZ): the save fails naming that file, and the S3 server never received a
     request creating any data object of the save (no PUT, no multipart start)."""
     prefix = s3_server.unique_prefix("partial-child") + "/ckpt"
@@ -43,8 +43,10 @@ def test_child_failing_mid_file_on_object_store_publishes_no_object(s3_server):
         ckpt.schedule_save(two_file_state(1), step=1)
         ckpt.finalize(blocking=True)
         worker = psutil.Process(ckpt.worker_pid)
+        tree = [worker, *worker.children(recursive=True)]  # and its fork server: writers inherit it
         limits = worker.rlimit(psutil.RLIMIT_FSIZE)
-        worker.rlimit(psutil.RLIMIT_FSIZE, (MiB, limits[1]))  # the soft limit: it can go back up
+        for process in tree:
+            process.rlimit(psutil.RLIMIT_FSIZE, (MiB, limits[1]))  # the soft limit: it can go back up
         log_from = os.path.getsize(s3_server.server.log_path)
         ckpt.schedule_save(two_file_state(2), step=2)
         with pytest.raises(CheckpointError, match=r"step 2 not committed.*__0_\d\.distcp.*File too large"):
@@ -56,7 +58,8 @@ def test_child_failing_mid_file_on_object_store_publishes_no_object(s3_server):
         assert created == [], created
         assert s3_server.keys(prefix + "/step_00000002/") == []
 
-        worker.rlimit(psutil.RLIMIT_FSIZE, limits)
+        for process in tree:
+            process.rlimit(psutil.RLIMIT_FSIZE, limits)
         expected = clone_state(two_file_state(3))
         ckpt.schedule_save(two_file_state(3), step=3)
         [report] = ckpt.finalize(blocking=True)
@@ -99,7 +102,7 @@ def test_stopped_writer_child_fails_the_save_within_timeout_naming_its_file(tmp_
         print(f"\nsave failed {elapsed:.2f}s after it started (timeout_s={timeout_s}): {message}")
         assert "__0_0.distcp" in message and f"writer process {child.pid} did not finish" in message, message
         assert elapsed < timeout_s
-        assert not psutil.pid_exists(child.pid) or child.status() == psutil.STATUS_ZOMBIE
+        wait_gone(child.pid, 10)  # killed (the fork server reaps it)
         assert ckpt.worker_pid == worker_pid  # the worker itself was never stuck
 
         state["w"].add_(1)

@@ -97,14 +97,17 @@ def test_failed_resave_of_a_committed_step_keeps_it_committed(ckpt_root, io):
         with pytest.raises(CheckpointError, match="lock"):  # bad input: refused before any write
             ckpt.schedule_save({**state, "lock": threading.Lock()}, step=2)
         worker = psutil.Process(ckpt.worker_pid)
+        tree = [worker, *worker.children()]  # forked writers inherit the limit of the fork server
         limits = worker.rlimit(psutil.RLIMIT_FSIZE)
-        worker.rlimit(psutil.RLIMIT_FSIZE, (4096, limits[1]))  # the data files cannot be written
+        for process in tree:
+            process.rlimit(psutil.RLIMIT_FSIZE, (4096, limits[1]))  # the data files cannot be written
         try:
             with pytest.raises(CheckpointError, match="EFBIG"):
                 ckpt.schedule_save(state, step=2)
                 ckpt.finalize(blocking=True)
         finally:
-            worker.rlimit(psutil.RLIMIT_FSIZE, limits)
+            for process in tree:
+                process.rlimit(psutil.RLIMIT_FSIZE, limits)
         assert sorted(os.listdir(step_dir)) == old_files  # nothing of the failed saves is left
         assert read_latest_marker(ckpt_root) == "step_00000002"
         assert latest_checkpoint(ckpt_root).step == 2

@@ -22,6 +22,8 @@ from asyncckpt.formats import use_fast_serialization
 from asyncckpt.protocol import Ready, SaveFailed, SaveRequest, Shutdown, Staged, WorkerSettings
 
 from .cache import CacheMiss, StructureCache
+from .forked import child_main
+from .forkserver import ForkServer
 from .rounds import run_save
 from .staging import StagingPool
 from .writers import WriteError, Writers
@@ -32,12 +34,12 @@ PARENT_CHECK_INTERVAL_S = 0.5
 
 
 class ServeLoop:
-    def __init__(self, conn, settings: WorkerSettings) -> None:
+    def __init__(self, conn, settings: WorkerSettings, forks: Optional[ForkServer] = None) -> None:
         self.conn = conn
         self.settings = settings
         self.cache = StructureCache()
         self.pool = StagingPool(pin_memory=settings.cuda_device is not None)
-        self.writers = Writers(nice=settings.nice)
+        self.writers = Writers(nice=settings.nice, forks=forks)
 
     def serve(self) -> None:
         while True:
@@ -54,6 +56,9 @@ class ServeLoop:
             if isinstance(message, SaveRequest):
                 self.handle_save(message)
                 del message
+                if not self.writers.usable:  # it cannot be restarted safely here: a fresh worker can
+                    log.error("the writers' fork server died; worker exits (the next save starts a new one)")
+                    return
             else:
                 log.warning("ignoring unknown message %r", type(message).__name__)
 
@@ -102,6 +107,7 @@ def run(conn, settings: WorkerSettings) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle; it closes us
     _lower_io_priority(settings)
     _raise_open_file_limit()
+    forks = _start_fork_server()  # first, while this process still has one thread
     use_fast_serialization()
     # Staging is on the trainer's critical path and keeps the trainer's CPU priority (only the
     # writers are niced, see Writers). Each copy runs on one torch thread; eager staging spreads
@@ -110,7 +116,7 @@ def run(conn, settings: WorkerSettings) -> None:
     if settings.cuda_device is not None:
         torch.cuda.set_device(settings.cuda_device)
         torch.empty(1, device="cuda")  # create the context before any IPC handle arrives
-    loop = ServeLoop(conn, settings)
+    loop = ServeLoop(conn, settings, forks)
     _start_parent_watchdog(settings.parent_pid, loop)
     gc.freeze()
     conn.send(Ready())
@@ -136,6 +142,16 @@ def _start_parent_watchdog(parent_pid: int, loop: ServeLoop) -> None:
                 os._exit(3)
 
     threading.Thread(target=watch, name="asyncckpt-parent-watchdog", daemon=True).start()
+
+
+def _start_fork_server() -> Optional[ForkServer]:
+    """The process that forks io="process" writers (forkserver.py). Without it, process-mode
+    saves fail with the reason; thread mode works on."""
+    try:
+        return ForkServer.start(child_main)
+    except (OSError, RuntimeError) as exc:
+        log.error("could not start the writers' fork server: %s", exc)
+        return None
 
 
 def _raise_open_file_limit() -> None:

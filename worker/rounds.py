@@ -40,7 +40,8 @@ def run_save(
         entry.items, object_sizes, rank, options.io_workers, options.separation_hint, options.format, request.file_tag
     )
     rounds = plan_rounds(entry.items, buckets, options.staging_budget_bytes)
-    data = SaveData(entry.items, _views(entry, pool, rounds, options.staging_budget_bytes), request.byte_items, options)
+    views = _views(entry, pool, rounds, options.staging_budget_bytes)
+    data = SaveData(entry.items, views, request.byte_items, options, pool.share())
     files = open_files(storage_for(request.checkpoint_dir), request.checkpoint_dir, buckets, entry.items, options)
     file_of = {pos: file for file in files for pos in file.bucket.positions}
     written, write_s = [], 0.0

@@ -6,17 +6,14 @@ the worker (rounds.py) and appended to round after round; a failure names the fi
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import errno
 import os
-import pickle
-import select
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
 
 import torch
@@ -26,6 +23,8 @@ from asyncckpt.protocol import TENSOR, ItemSpec, ItemWritten, WriteOptions
 from asyncckpt.storage import WriteHandle
 
 from .buckets import Bucket
+from .forkserver import ForkServer
+from .staging import SlabShare
 
 log = logging.getLogger("asyncckpt.worker")
 
@@ -50,6 +49,7 @@ class SaveData:
     staged: Sequence[Optional[torch.Tensor]]
     objects: dict[int, bytes]
     options: WriteOptions
+    slab: Optional[SlabShare] = None  # where forked writers find the staged tensors
 
 
 @dataclass
@@ -120,8 +120,9 @@ def describe(exc: BaseException) -> str:
 class Writers:
     """Runs the writes of one round in the configured I/O mode."""
 
-    def __init__(self, nice: Optional[int] = None) -> None:
+    def __init__(self, nice: Optional[int] = None, forks: Optional[ForkServer] = None) -> None:
         self._nice = nice  # applied in each writer thread and child only (nice is per thread on Linux)
+        self._forks = forks  # forks the io="process" writers (see forkserver.py)
         self._threads: Optional[ThreadPoolExecutor] = None
         self._thread_count = 0
         self.children: set[int] = set()  # pids of live forked writers, for the watchdog
@@ -162,11 +163,11 @@ class Writers:
         its pool is abandoned (a thread cannot be killed): the next round gets fresh threads."""
         workers = options.io_workers
         if self._threads is None or self._thread_count != workers:
-            self.close()
+            self._close_threads()
             # torch's serialization config is per thread (a ContextVar): each writer thread turns
             # torch.save's own CRC off itself, or thread and process modes would differ in bytes
             self._threads = ThreadPoolExecutor(
-                workers, thread_name_prefix="asyncckpt-writer", initializer=_prepare_writer, initargs=(self._nice,)
+                workers, thread_name_prefix="asyncckpt-writer", initializer=prepare_writer, initargs=(self._nice,)
             )
             self._thread_count = workers
         futures = [(file, self._threads.submit(fn, *args)) for file, fn, args in calls]
@@ -188,56 +189,17 @@ class Writers:
         return outcomes
 
     def _in_children(self, data: SaveData, parts: list[tuple[OpenFile, list[int]]], deadline: float) -> list:
-        """Fork one writer per part and collect every outcome by `deadline`; a child still
-        running then is killed and its file named in a WriteError."""
-        launched: list[_Child] = []
-        try:
-            for file, positions in parts:
-                launched.append(_Child(file, *self._fork_writer(data, file, positions)))
-            _read_results(launched, deadline)
-        finally:
-            for child in launched:
-                os.close(child.read_fd)
-                self._reap(child, deadline)
-        return [_child_outcome(child, data.options.timeout_s) for child in launched]
+        if self._forks is None:
+            return [WriteError(file.path, "io='process' needs the worker's fork server, which did not start")
+                    for file, _ in parts]
+        from .forked import write_in_children  # it builds on this module's writers
 
-    def _reap(self, child: "_Child", deadline: float) -> None:
-        """Collect the child's exit status; one that has not exited by `deadline` (or whose
-        result never came) is killed first. Never waits unbounded on a live child."""
-        while child.status is None:
-            pid, status = os.waitpid(child.pid, os.WNOHANG)
-            if pid:
-                child.status = status
-            elif child.eof and time.monotonic() < deadline:
-                time.sleep(0.001)  # its pipe closed: it is exiting
-            else:
-                child.killed = not child.eof
-                os.kill(child.pid, signal.SIGKILL)  # ends a stopped child too
-                child.status = os.waitpid(child.pid, 0)[1]
-        self.children.discard(child.pid)
+        return write_in_children(self._forks, data, parts, deadline, self._nice, self.children)
 
-    def _fork_writer(self, data: SaveData, file: OpenFile, positions: list[int]) -> tuple[int, int]:
-        read_fd, write_fd = os.pipe()
-        worker_pid = os.getpid()
-        pid = os.fork()
-        if pid == 0:  # child: write one part, report, exit without running any parent cleanup
-            code = 0
-            try:
-                os.close(read_fd)
-                _die_with_parent(worker_pid)
-                _prepare_writer(self._nice)
-                try:
-                    outcome = write_part(data, file, positions, commit=False)
-                except WriteError as exc:
-                    outcome, code = exc, 1
-                view = memoryview(pickle.dumps(outcome))
-                while view:
-                    view = view[os.write(write_fd, view) :]
-            finally:
-                os._exit(code)
-        os.close(write_fd)
-        self.children.add(pid)
-        return pid, read_fd
+    @property
+    def usable(self) -> bool:
+        """False once the fork server died: no process-mode save can work in this worker."""
+        return self._forks is None or self._forks.alive()
 
     def kill_children(self) -> None:
         for pid in list(self.children):
@@ -247,6 +209,12 @@ class Writers:
                 pass
 
     def close(self) -> None:
+        self._close_threads()
+        if self._forks is not None:
+            self._forks.close()
+            self._forks = None
+
+    def _close_threads(self) -> None:
         if self._threads is not None:
             self._threads.shutdown(wait=True)
             self._threads = None
@@ -260,55 +228,7 @@ def _commit(file: OpenFile):
     return None
 
 
-@dataclass
-class _Child:
-    """A forked writer: its file, pid, the read end of its result pipe, what came back."""
-
-    file: OpenFile
-    pid: int
-    read_fd: int
-    payload: bytearray = field(default_factory=bytearray)
-    eof: bool = False
-    status: Optional[int] = None
-    killed: bool = False  # by us, for not finishing in time
-
-
-def _read_results(children: list[_Child], deadline: float) -> None:
-    """Read every child's result pipe to its end, all at once (a child blocks on a full pipe),
-    until `deadline`."""
-    waiting = {child.read_fd: child for child in children}
-    while waiting:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            return
-        ready, _, _ = select.select(list(waiting), [], [], left)
-        for fd in ready:
-            chunk = os.read(fd, 1 << 16)
-            if chunk:
-                waiting[fd].payload += chunk
-            else:
-                waiting.pop(fd).eof = True
-
-
-def _child_outcome(child: _Child, timeout_s: float):
-    """(items, end, file), or the WriteError naming the child's file."""
-    path = child.file.path
-    if child.killed:
-        return WriteError(path, f"writer process {child.pid} did not finish within {timeout_s:.1f}s; killed it")
-    try:
-        outcome = pickle.loads(bytes(child.payload))
-    except Exception:
-        return WriteError(path, f"writer process died ({_exit_reason(child.status)})")
-    return outcome if isinstance(outcome, WriteError) else (*outcome, child.file)
-
-
-def _exit_reason(status: int) -> str:
-    if os.WIFSIGNALED(status):
-        return f"killed by signal {os.WTERMSIG(status)}"
-    return f"exit code {os.waitstatus_to_exitcode(status)}"
-
-
-def _prepare_writer(nice: Optional[int]) -> None:
+def prepare_writer(nice: Optional[int]) -> None:
     """Run in every writer thread or child: torch.save's own CRC off (its setting is per
     thread), and the configured lower CPU priority (per thread on Linux, so staging keeps the
     trainer's)."""
@@ -318,17 +238,3 @@ def _prepare_writer(nice: Optional[int]) -> None:
             os.nice(nice)
         except OSError as exc:
             log.warning("could not lower writer CPU priority by %d: %s", nice, exc)
-
-
-def _die_with_parent(parent_pid: int) -> None:
-    """Ask Linux to SIGKILL this writer child when the worker that forked it dies. The request
-    covers only a parent alive when it is made: if the worker died in between, this child is
-    already an orphan, so it checks and exits instead of writing for nobody."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        PR_SET_PDEATHSIG = 1
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    except OSError:
-        pass
-    if os.getppid() != parent_pid:
-        os._exit(4)
