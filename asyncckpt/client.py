@@ -24,6 +24,7 @@ POLL_SLICE_S = 0.05
 DIRECT_SEND_BYTES = 64 << 10  # well under a Unix socket's send buffer (about 200 KiB on Linux)
 STARTUP_TIMEOUT_S = 300.0  # a fresh worker imports torch (seconds; minutes on a cold network FS)
 SHUTDOWN_SEND_S = 2.0  # a Shutdown message is tiny; a worker that does not take it gets killed
+WORKER_EXIT_S = 10.0  # a worker that said it exits (SaveFailed.worker_exits) does so at once
 _spawn_lock = threading.Lock()
 
 
@@ -164,6 +165,8 @@ class WorkerClient:
                 self.ready = True
             else:
                 self._inbox.append(message)
+            if isinstance(message, SaveFailed) and message.worker_exits:  # let the next save see it gone
+                self._process.join(WORKER_EXIT_S)
             return True
         except (EOFError, OSError) as exc:
             raise self._died("") from exc

@@ -135,3 +135,4 @@ class SaveFailed:
     phase: str
     message: str
     path: Optional[str] = None
+    worker_exits: bool = False  # it cannot serve another save (its writers' fork server died)

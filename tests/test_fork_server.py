@@ -12,10 +12,11 @@ import sys
 import textwrap
 
 import psutil
+import pytest
 import torch
 
-from asyncckpt import AsyncCheckpointer, CheckpointConfig, load
-from conftest import assert_state_equal, clone_state, zeros_like_state
+from asyncckpt import AsyncCheckpointer, CheckpointConfig, CheckpointError, load
+from conftest import assert_state_equal, clone_state, wait_gone, zeros_like_state
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SAVES = int(os.environ.get("ASYNCCKPT_STRESS_SAVES", "24"))
@@ -121,3 +122,29 @@ def test_writer_whose_parent_died_before_it_asked_to_die_with_it_exits():
             os._exit(0)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 4
+
+
+def test_dead_fork_server_fails_one_save_and_the_next_starts_a_fresh_worker(tmp_path):
+    """The fork server cannot be restarted safely inside a worker that runs threads: when it is
+    gone, the save fails naming a file and the server, the worker exits, and the next save
+    commits on a fresh worker."""
+    root = str(tmp_path / "ckpt")
+    state = {"w": torch.arange(4096, dtype=torch.float32)}
+    with AsyncCheckpointer(root, CheckpointConfig(io="process", io_workers=2, timeout_s=60.0)) as ckpt:
+        ckpt.schedule_save(state, step=1)
+        ckpt.finalize(blocking=True)
+        old_worker = ckpt.worker_pid
+        [server] = [p for p in psutil.Process(old_worker).children() if p.name() == "asyncckpt-forks"]
+        server.kill()
+        wait_gone(server.pid, 10)  # a zombie until the worker notices
+        with pytest.raises(CheckpointError, match=r"step 2 not committed.*__0_\d\.distcp.*fork server"):
+            ckpt.schedule_save(state, step=2)
+            ckpt.finalize(blocking=True)
+        state["w"].add_(1)
+        expected = clone_state(state)
+        ckpt.schedule_save(state, step=3)
+        [report] = ckpt.finalize(blocking=True)
+        assert report.worker_pid != old_worker
+    target = zeros_like_state(expected)
+    load(target, os.path.join(root, "step_00000003"))
+    assert_state_equal(target, expected)

@@ -2,6 +2,7 @@
 
 It never dies silently: any failure of a save goes back as `SaveFailed` and the loop keeps
 serving. A watchdog thread ends the worker (and its writer children) when the trainer dies.
+io="process" writers come from a fork server started before any other thread (forkserver.py).
 """
 
 from __future__ import annotations
@@ -88,7 +89,7 @@ class ServeLoop:
     def _fail(self, save_id: Optional[int], phase: str, message: str, path=None) -> None:
         log.debug("save %s failed in %s: %s", save_id, phase, message)
         try:
-            self.conn.send(SaveFailed(save_id, phase, message, path))
+            self.conn.send(SaveFailed(save_id, phase, message, path, worker_exits=not self.writers.usable))
         except (OSError, EOFError):
             pass
 
