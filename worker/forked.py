@@ -153,17 +153,20 @@ def _read_results(children: list[_Child], deadline: float) -> None:
     """Read every child's result pipe to its end, all at once (a child blocks on a full pipe),
     until `deadline`."""
     waiting = {child.read_fd: child for child in children}
+    poller = select.poll()  # not select(): the worker holds thousands of descriptors (shared storages)
+    for fd in waiting:
+        poller.register(fd, select.POLLIN)
     while waiting:
         left = deadline - time.monotonic()
         if left <= 0:
             return
-        ready, _, _ = select.select(list(waiting), [], [], left)
-        for fd in ready:
+        for fd, _ in poller.poll(left * 1000):
             chunk = os.read(fd, 1 << 16)
             if chunk:
                 waiting[fd].data += chunk
             else:
                 waiting.pop(fd).eof = True
+                poller.unregister(fd)
 
 
 def _outcome(child: _Child, timeout_s: float):
