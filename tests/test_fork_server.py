@@ -25,7 +25,7 @@ FORKS = int(os.environ.get("ASYNCCKPT_STRESS_FORKS", "200"))
 BUSY_FORKS = textwrap.dedent(
     """
     import logging, os, sys, threading, torch
-    from worker.forkserver import ForkServer, split_result
+    from asyncckpt_worker.forkserver import ForkServer, split_result
 
     def target(payload, fds):  # a writer's kind of work: logging, allocation, torch
         logging.getLogger("child").debug("child %d", os.getpid())
@@ -112,7 +112,7 @@ def test_many_process_mode_saves_with_debug_logging_all_exact(tmp_path):
 def test_writer_whose_parent_died_before_it_asked_to_die_with_it_exits():
     """PR_SET_PDEATHSIG covers only a parent alive when it is set: a child that finds another
     parent than the one that forked it must exit at once instead of writing for nobody."""
-    from worker.forkserver import _die_with_parent
+    from asyncckpt_worker.forkserver import _die_with_parent
 
     pid = os.fork()
     if pid == 0:
