@@ -118,7 +118,7 @@ class AsyncCheckpointer:
         try:
             if storage.is_symlink(step_dir):
                 raise CheckpointError(f"{step_dir!r} is a symlink; refusing to write a checkpoint through it")
-            created = not storage.is_dir(step_dir)
+            created = name is None and not _is_dir_or_unknown(storage, step_dir)
             storage.prepare_dir(step_dir)  # proves the target writable before anything else
             overwrite = self._group.is_coordinator and storage.exists(storage.join(step_dir, METADATA_FILE))
             local = self._planning.local(state_dict, self._group.is_coordinator)
@@ -404,6 +404,15 @@ class AsyncCheckpointer:
     def _check_open(self) -> None:
         if self._closed:
             raise CheckpointError("this AsyncCheckpointer is closed")
+
+
+def _is_dir_or_unknown(storage, path: str) -> bool:
+    """Whether a directory the caller named exists already (then a failed save never removes it
+    whole); True when the store cannot say: prepare_dir then reports what is wrong with it."""
+    try:
+        return storage.is_dir(path)
+    except OSError:
+        return True
 
 
 @atexit.register
