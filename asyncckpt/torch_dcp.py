@@ -37,7 +37,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import FileSystemWriter, SerializationFormat
 from torch.distributed.checkpoint.staging import BlockingAsyncStager, DefaultStager
@@ -188,6 +190,33 @@ def _staging_response_wanted(stager) -> bool:
     )
 
 
+def _private_copy(state: Any) -> Optional[Any]:
+    """A copy of `state` that nobody else holds (tensors cloned, containers rebuilt, other objects
+    shared: they are pickled when the save is scheduled), or None where that is not cheap and
+    safe: a tensor off the CPU (a clone would double device memory), or a tensor subclass other
+    than DTensor (e.g. ShardedTensor) that a clone might not preserve.
+
+    Why: a first call has no earlier call to hide the worker's start-up (an interpreter importing
+    torch: seconds). With a private copy it returns after the copy (and the one-time move into
+    shared memory), and the worker stages the copy whenever it is up."""
+    if isinstance(state, dict):
+        items = {k: _private_copy(v) for k, v in state.items()}
+        return None if any(v is None and state[k] is not None for k, v in items.items()) else items
+    if isinstance(state, (list, tuple)):
+        items = [_private_copy(v) for v in state]
+        if any(c is None and v is not None for c, v in zip(items, state)):
+            return None
+        return type(state)(items) if type(state) in (list, tuple) else None
+    if isinstance(state, torch.Tensor):
+        if state.device.type != "cpu" or state.is_pinned() or type(state) not in (torch.Tensor, torch.nn.Parameter, DTensor):
+            return None
+        copy = state.detach().clone()  # keeps dtype, layout, memory format: what DCP's metadata records
+        if isinstance(state, torch.nn.Parameter):
+            return torch.nn.Parameter(copy, requires_grad=state.requires_grad)
+        return copy.requires_grad_(state.requires_grad)
+    return state
+
+
 # doors -------------------------------------------------------------------------------------------
 _config = CheckpointConfig()
 _doors: dict[Any, "_Door"] = {}
@@ -249,6 +278,7 @@ class _Door:
         self.outcomes: collections.deque[_Outcome] = collections.deque()  # finished, not yet delivered
         self.closing = False
         self.last_report: Optional[SaveReport] = None
+        self.saves = 0
         self.thread = threading.Thread(target=self._run, name="asyncckpt-commit", daemon=True)
         self.thread.start()
 
@@ -259,7 +289,12 @@ class _Door:
             if self.closing:
                 raise CheckpointError("asyncckpt.torch_dcp is shutting down")
             self._finish_pending()  # save k's verdict goes to save k's future, not to this call
-            self.ckpt.schedule_save(state, checkpoint_dir=path)
+            copy = _private_copy(state) if self.saves == 0 else None
+            if copy is not None:  # the worker is still starting: do not wait for it, hand it a copy
+                self.ckpt.schedule_save(copy, checkpoint_dir=path, wait=False)
+            else:
+                self.ckpt.schedule_save(state, checkpoint_dir=path)
+            self.saves += 1
             self.pending = (future, path)
             self.cond.notify_all()
         return future
