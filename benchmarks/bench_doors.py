@@ -41,7 +41,6 @@ METHODS = ("asyncckpt.async_save", "dcp.async_save thread", "dcp.async_save proc
 
 def run_method(method: str, size_mb: int, steps: int, every: int, step_s: float, workdir: str) -> dict:
     """One method's loop, in this (fresh) process."""
-    import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
