@@ -131,7 +131,7 @@ def _checkpoint_path(checkpoint_id, storage_writer) -> str:
     if checkpoint_id is None:
         if storage_writer is None:
             raise CheckpointError("async_save needs a checkpoint_id or a FileSystemWriter")
-        checkpoint_id = storage_writer.path
+        checkpoint_id = str(storage_writer.path)  # a Path, or msc's MultiStoragePath (str: its URL)
     if not isinstance(checkpoint_id, (str, os.PathLike)):
         raise CheckpointError(f"checkpoint_id must be a path or URL, not {type(checkpoint_id).__name__}")
     path = os.fspath(checkpoint_id)
@@ -145,12 +145,18 @@ def _checkpoint_path(checkpoint_id, storage_writer) -> str:
     return path
 
 
+def _is_msc_writer(writer) -> bool:
+    """multi-storage-client's DCP writer (its own FileSystemWriter subclass), without importing it."""
+    kind = type(writer)
+    return kind.__name__ == "MultiStorageFileSystemWriter" and kind.__module__.startswith("multistorageclient.")
+
+
 def _check_writer(writer) -> None:
-    """A stock FileSystemWriter means its path. Its layout knobs (single_file_per_rank,
+    """A stock FileSystemWriter (or msc's MultiStorageFileSystemWriter) means its path. Its layout knobs (single_file_per_rank,
     thread_count, per_thread_copy_ahead, cache_staged_state_dict) do not change what a reader
     gets: asyncckpt writes io_workers files per rank. sync_files=False is made stricter (every
     file is fsynced). What would change the checkpoint itself is refused."""
-    if type(writer) is not FileSystemWriter:
+    if type(writer) is not FileSystemWriter and not _is_msc_writer(writer):
         raise CheckpointError(
             f"storage_writer {type(writer).__name__} is not supported by asyncckpt.async_save: it writes "
             "only what a stock FileSystemWriter writes (pass checkpoint_id=PATH, or a FileSystemWriter)"

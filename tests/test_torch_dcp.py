@@ -118,7 +118,7 @@ def test_the_first_call_does_not_wait_for_the_worker_to_start(tmp_path):
 
 def test_stagers_and_writers_give_the_types_torch_gives(tmp_path):
     """torchtitan's pinned-memory mode (a DefaultStager with async staging) gets a real
-    AsyncSaveResponse, staged on return; a FileSystemWriter means its path."""
+    AsyncSaveResponse, staged on return; a FileSystemWriter (or msc's) means its path."""
     state = {"w": torch.arange(1000.0)}
     stager = DefaultStager(StagingOptions(False, True, True, False))  # torchtitan's, less what needs a GPU
     response = asyncckpt.async_save(
@@ -134,8 +134,12 @@ def test_stagers_and_writers_give_the_types_torch_gives(tmp_path):
     assert type(future) is Future
     writer = dcp.FileSystemWriter(str(tmp_path / "c"), thread_count=4, sync_files=False)
     assert isinstance(asyncckpt.async_save(state, storage_writer=writer).result(timeout=60), Metadata)
+    from multistorageclient.contrib.torch.filesystem import MultiStorageFileSystemWriter
+
+    msc_writer = MultiStorageFileSystemWriter(str(tmp_path / "d"))
+    assert isinstance(asyncckpt.async_save(state, storage_writer=msc_writer).result(timeout=60), Metadata)
     future.result(timeout=60)
-    for name in "abc":
+    for name in "abcd":
         assert torch.equal(_load(str(tmp_path / name), state)["w"], state["w"])
 
 
