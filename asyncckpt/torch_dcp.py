@@ -77,6 +77,8 @@ def async_save(
     on any rank), or, when torch would (`async_stager` a DefaultStager with async staging), an
     AsyncSaveResponse whose `staging_completion` is done and whose `upload_completion` is that
     future. Options asyncckpt cannot honour are refused with a CheckpointError, never ignored."""
+    if not isinstance(state_dict, dict):
+        raise TypeError(f"state_dict must be a dict, not {type(state_dict).__name__}")
     path = _checkpoint_path(checkpoint_id, storage_writer)
     _check_planner(planner)
     if async_checkpointer_type is not None and not isinstance(async_checkpointer_type, AsyncCheckpointerType):
@@ -88,7 +90,7 @@ def async_save(
     if not respond:
         return upload
     staged: Future = Future()
-    staged.set_result(None)  # asyncckpt returns once the worker holds its copy
+    staged.set_result(None)  # the call returned: the snapshot is taken, the state may change
     return AsyncSaveResponse(staging_completion=staged, upload_completion=upload)
 
 
