@@ -52,6 +52,7 @@ from .errors import CheckpointError
 from .loading import METADATA_FILE, read_metadata
 from .ranks import collective_timeout_s
 from .report import SaveReport
+from .snapshot import check_shm_space
 from .storage import storage_for
 
 log = logging.getLogger(__name__)
@@ -199,30 +200,59 @@ def _staging_response_wanted(stager) -> bool:
 
 
 def _private_copy(state: Any) -> Optional[Any]:
-    """A copy of `state` that nobody else holds (tensors cloned, containers rebuilt, other objects
+    """A copy of `state` that nobody else holds (tensors copied, containers rebuilt, other objects
     shared: they are pickled when the save is scheduled), or None where that is not cheap and
-    safe: a tensor off the CPU (a clone would double device memory), or a tensor subclass other
-    than DTensor (e.g. ShardedTensor) that a clone might not preserve.
+    safe: a tensor off the CPU (a copy would double device memory), pinned, or a subclass other
+    than DTensor (e.g. ShardedTensor) that a copy might not preserve.
 
     Why: a first call has no earlier call to hide the worker's start-up (an interpreter importing
-    torch: seconds). With a private copy it returns after the copy (and the one-time move into
-    shared memory), and the worker stages the copy whenever it is up."""
+    torch: seconds). With a private copy it returns after the copy, and the worker stages the copy
+    whenever it is up. Plain tensors are copied straight into shared memory (after checking
+    /dev/shm has room, as every move into it is), so the copy is also the move."""
+    plain: list[torch.Tensor] = []
+    if not _copyable(state, plain):
+        return None
+    check_shm_space(sum(t.numel() * t.element_size() for t in plain))
+    return _copy(state)
+
+
+def _copyable(state: Any, plain: list) -> bool:
     if isinstance(state, dict):
-        items = {k: _private_copy(v) for k, v in state.items()}
-        return None if any(v is None and state[k] is not None for k, v in items.items()) else items
+        return all(_copyable(v, plain) for v in state.values())
     if isinstance(state, (list, tuple)):
-        items = [_private_copy(v) for v in state]
-        if any(c is None and v is not None for c, v in zip(items, state)):
-            return None
-        return type(state)(items) if type(state) in (list, tuple) else None
+        return type(state) in (list, tuple) and all(_copyable(v, plain) for v in state)
     if isinstance(state, torch.Tensor):
         if state.device.type != "cpu" or state.is_pinned() or type(state) not in (torch.Tensor, torch.nn.Parameter, DTensor):
-            return None
-        copy = state.detach().clone()  # keeps dtype, layout, memory format: what DCP's metadata records
-        if isinstance(state, torch.nn.Parameter):
-            return torch.nn.Parameter(copy, requires_grad=state.requires_grad)
-        return copy.requires_grad_(state.requires_grad)
-    return state
+            return False
+        if type(state) is not DTensor:
+            plain.append(state)
+    return True
+
+
+def _copy(state: Any) -> Any:
+    if isinstance(state, dict):
+        return {k: _copy(v) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(_copy(v) for v in state)
+    if not isinstance(state, torch.Tensor):
+        return state
+    if type(state) is DTensor:
+        return state.detach().clone().requires_grad_(state.requires_grad)  # moved into shared memory later
+    # DCP's metadata records dtype, layout, requires_grad (memory format: always contiguous)
+    copy = _shared_empty(state).copy_(state.detach())
+    if isinstance(state, torch.nn.Parameter):
+        return torch.nn.Parameter(copy, requires_grad=state.requires_grad)
+    return copy.requires_grad_(state.requires_grad)
+
+
+def _shared_empty(like: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor shaped like `like` in a fresh shared-memory segment: written once by
+    the copy (`empty().share_memory_()` would first copy the empty bytes into the segment)."""
+    nbytes = like.numel() * like.element_size()
+    if nbytes == 0:
+        return torch.empty(like.shape, dtype=like.dtype)
+    storage = torch.UntypedStorage._new_shared(nbytes)
+    return torch.empty(0, dtype=like.dtype).set_(storage, 0, like.shape)
 
 
 # doors -------------------------------------------------------------------------------------------
