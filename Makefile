@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv install test example example-ddp bench lint clean
+.PHONY: venv install test example example-ddp bench bench-doors lint clean
 
 venv: $(STAMP)
 
@@ -31,6 +31,9 @@ example-ddp: venv
 
 bench: venv
 	$(PY) benchmarks/bench_save.py --out bench_out/bench.json --plot bench_out/bench.png
+
+bench-doors: venv
+	$(PY) benchmarks/bench_doors.py --out bench_out/bench_doors.json
 
 lint: venv
 	$(PY) -m pyflakes asyncckpt worker tests examples benchmarks

@@ -17,6 +17,7 @@ _PUBLIC = {  # name -> the module that defines it
     "CheckpointTimeoutError": "errors",
     "SaveReport": "report",
     "WorkerDiedError": "errors",
+    "async_save": "torch_dcp",
     "cleanup": "loading",
     "latest_checkpoint": "loading",
     "list_checkpoints": "loading",

@@ -92,7 +92,12 @@ class AsyncCheckpointer:
 
     # public API ------------------------------------------------------------------------------
     def schedule_save(
-        self, state_dict: dict[str, Any], step: Optional[int] = None, *, checkpoint_dir: Optional[str] = None
+        self,
+        state_dict: dict[str, Any],
+        step: Optional[int] = None,
+        *,
+        checkpoint_dir: Optional[str] = None,
+        wait: bool = True,
     ) -> None:
         """Snapshot `state_dict` as of now and write it in the background: as `ROOT/step_N` for
         `step` (then `latest` moves and keep_last applies), or into `checkpoint_dir` when given
@@ -101,6 +106,8 @@ class AsyncCheckpointer:
 
         Eager staging returns once the worker holds its copy; lazy staging returns at once and
         the state must not change before `wait_staged()` (or the `guard` hook) returns.
+        `wait=False` returns without waiting for staging in eager mode too: for a state nobody
+        changes afterwards (a private copy), e.g. while a fresh worker is still starting.
         With several ranks every rank must call this at the same point."""
         self._check_open()
         name, step_dir = self._target(step, checkpoint_dir)
@@ -160,7 +167,7 @@ class AsyncCheckpointer:
                 raise
             flight.error = f"{type(exc).__name__}: {exc}"  # raised on every rank by the next finalize
         self._in_flight = flight
-        if self.config.staging == "eager":
+        if self.config.staging == "eager" and wait:
             self.wait_staged()
         flight.blocked_s = time.perf_counter() - started
 
