@@ -67,6 +67,10 @@ class AsyncCheckpointIO(CheckpointIO):
             raise ValueError(f"max_in_flight must be an integer >= 1, not {max_in_flight!r}")
         self.config, self.trusted, self.max_in_flight = config, bool(trusted), max_in_flight
         self._init_runtime()
+        if _launched_as_global_rank_zero():  # start the workers now: the first save need not wait for them
+            with self._lock:
+                while len(self._savers) < self.max_in_flight:
+                    self._new_saver()
 
     def _init_runtime(self) -> None:
         self._lock = threading.RLock()  # every use of the checkpointers holds it
@@ -187,11 +191,14 @@ class AsyncCheckpointIO(CheckpointIO):
             if saver.in_flight_dir is None:
                 return saver
         if len(self._savers) < self.max_in_flight:
-            saver = AsyncCheckpointer(config=self.config, no_dist=True)
-            self._savers.append(saver)
-            _live.add(self)
-            return saver
+            return self._new_saver()
         return self._savers[0]
+
+    def _new_saver(self) -> AsyncCheckpointer:
+        saver = AsyncCheckpointer(config=self.config, no_dist=True)  # spawns its worker, without waiting
+        self._savers.append(saver)
+        _live.add(self)
+        return saver
 
     def _finish_saves_of(self, target: str) -> None:
         for saver in self._savers:
@@ -239,6 +246,17 @@ class AsyncCheckpointIO(CheckpointIO):
                 self._stop.wait(COMMIT_POLL_S)
             else:
                 self._wake.wait(1.0)
+
+
+def _launched_as_global_rank_zero() -> bool:
+    """Whether the launcher's environment says this process is global rank 0 (or a single
+    process). Lightning calls the plugin on rank 0 only, so other ranks start no worker; where
+    the environment does not say (e.g. a strategy that spawns its ranks later), workers start
+    at the first save."""
+    env = os.environ
+    if "RANK" in env or "SLURM_PROCID" in env:  # torchrun, SLURM
+        return env.get("RANK", env.get("SLURM_PROCID")) == "0"
+    return env.get("LOCAL_RANK", "0") == "0" and env.get("NODE_RANK", "0") == "0"  # Lightning's own launcher
 
 
 def _target(path) -> str:

@@ -7,7 +7,7 @@ two saves (a top-k one and last.ckpt). Figures per method: total fit time (train
 includes the wait for saves still in flight at its end) and its overhead over the fit without
 checkpoints (the fastest of the runs before and after the others), and the time the training loop
 was blocked per save (`trainer.save_checkpoint` as ModelCheckpoint calls it: gathering the state
-and handing it to the IO plugin), mean and max.
+and handing it to the IO plugin): the first event's two saves apart, then mean and max.
 
     python benchmarks/bench_lightning.py                       # ~100 MB of state, a few minutes
     python benchmarks/bench_lightning.py --width 2048 --steps 80 --out bench_out/bench_lightning.json
@@ -55,7 +55,8 @@ def fit(method: str, args, root: str) -> dict:
     torch.manual_seed(0)
     x = torch.randn(args.steps * args.batch, 64)
     loader = DataLoader(TensorDataset(x, x[:, :8].sin()), batch_size=args.batch, shuffle=False)
-    plugins = {"none": [], "default": [], "lightning-async": [LightningAsyncIO()], "asyncckpt": [AsyncCheckpointIO()]}[method]
+    plugins = {"lightning-async": [LightningAsyncIO], "asyncckpt": [AsyncCheckpointIO]}.get(method, [])
+    plugins = [make() for make in plugins]
     callbacks = [] if method == "none" else [ModelCheckpoint(
         dirpath=os.path.join(root, method), monitor="train_loss", save_top_k=2, every_n_train_steps=args.every, save_last=True)]
     trainer = L.Trainer(
@@ -82,8 +83,10 @@ def fit(method: str, args, root: str) -> dict:
         if isinstance(plugin, AsyncCheckpointIO):
             plugin.close()
     state_mb = sum(p.numel() * p.element_size() for p in model.parameters()) * 3 / 1e6  # weights + Adam's 2 moments
+    steady = blocked[2:]  # the first event's two saves are reported apart (first use of the IO)
     return {"method": method, "fit_s": total, "saves": len(blocked), "state_mb": state_mb,
-            "blocked_mean_s": statistics.mean(blocked) if blocked else 0.0, "blocked_max_s": max(blocked, default=0.0)}
+            "blocked_first_event_s": blocked[:2], "blocked_mean_s": statistics.mean(steady) if steady else 0.0,
+            "blocked_max_s": max(steady, default=0.0)}
 
 
 def main() -> None:
@@ -91,7 +94,7 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=1536)
     parser.add_argument("--depth", type=int, default=3)
     parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--every", type=int, default=10, help="checkpoint every N steps")
     parser.add_argument("--dir", help="where checkpoints go (default: a temporary directory)")
     parser.add_argument("--out", help="write the rows as JSON here")
@@ -110,11 +113,13 @@ def main() -> None:
     table = [r for r in rows if r["method"] != "none"]
     print(f"state {rows[0]['state_mb']:.0f} MB, {args.steps} steps, a checkpoint event every {args.every} steps "
           f"(2 saves each: top-k + last); fit without checkpoints {baseline:.2f} s")
-    print(f"{'method':<16} {'fit s':>8} {'overhead':>9} {'saves':>6} {'blocked/save mean':>18} {'max':>8}")
+    print(f"{'method':<16} {'fit s':>8} {'overhead':>9} {'saves':>6} {'blocked 1st event':>18} "
+          f"{'blocked/save after':>19} {'max':>8}")
     for r in table:
         r["overhead"] = r["fit_s"] / baseline - 1
-        print(f"{r['method']:<16} {r['fit_s']:>8.2f} {r['overhead']:>8.1%} {r['saves']:>6} "
-              f"{r['blocked_mean_s']:>17.3f}s {r['blocked_max_s']:>7.3f}s")
+        first = " + ".join(f"{b:.3f}" for b in r["blocked_first_event_s"])
+        print(f"{r['method']:<16} {r['fit_s']:>8.2f} {r['overhead']:>8.1%} {r['saves']:>6} {first:>17}s "
+              f"{r['blocked_mean_s']:>18.3f}s {r['blocked_max_s']:>7.3f}s")
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:

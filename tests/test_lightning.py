@@ -141,7 +141,7 @@ def test_load_checkpoint_returns_exactly_the_saved_dict_as_of_the_save(tmp_path)
     checkpoint = _awkward_checkpoint()
     expected = _clone(checkpoint)
     path = str(tmp_path / "run" / "epoch=0-step=1.ckpt")
-    plugin = AsyncCheckpointIO()
+    plugin = AsyncCheckpointIO(max_in_flight=1)
     try:
         plugin.save_checkpoint(checkpoint, path)
         from asyncckpt.nested import map_tensors
@@ -164,12 +164,12 @@ def _workers(plugin) -> list[psutil.Process]:
 def test_remove_during_an_in_flight_save_waits_and_it_never_reappears(tmp_path):
     state = {"w": torch.randn(MiB // 4)}
     path = str(tmp_path / "epoch=0-step=2.ckpt")
-    plugin = AsyncCheckpointIO()
+    plugin = AsyncCheckpointIO(max_in_flight=1)
     try:
         plugin.save_checkpoint(state, str(tmp_path / "warm.ckpt"))
         plugin.teardown()
-        [worker] = _workers(plugin)
         plugin.save_checkpoint(state, path)  # staged; its writes are still to come
+        [worker] = [psutil.Process(s.worker_pid) for s in plugin._savers if s.in_flight_dir == path]
         worker.suspend()  # the save stays in flight until the worker goes on
         resume = threading.Timer(0.5, worker.resume)
         resume.start()
@@ -227,7 +227,7 @@ def test_bad_input_is_refused_clearly(tmp_path):
     dcp.save({"w": torch.ones(2)}, checkpoint_id=stock, no_dist=True)
     with pytest.raises(ValueError, match="keep_last"):
         AsyncCheckpointIO(CheckpointConfig(keep_last=2))
-    plugin = AsyncCheckpointIO()
+    plugin = AsyncCheckpointIO(max_in_flight=1)
     try:
         with pytest.raises(TypeError, match="storage_options"):
             plugin.save_checkpoint({"w": torch.ones(2)}, str(tmp_path / "x.ckpt"), storage_options={"a": 1})
@@ -258,7 +258,7 @@ def test_bad_input_is_refused_clearly(tmp_path):
             plugin.load_checkpoint(path, map_location=lambda storage, loc: storage, weights_only=False)
     finally:
         plugin.close()
-    assert AsyncCheckpointIO(trusted=True).load_checkpoint(path)["hyper_parameters"]["obj"].value == 3
+    assert AsyncCheckpointIO(trusted=True, max_in_flight=1).load_checkpoint(path)["hyper_parameters"]["obj"].value == 3
 
 
 def test_importing_asyncckpt_does_not_import_lightning():
@@ -270,7 +270,8 @@ def _rank0_alone(rank: int, world_size: int, root: str) -> None:
     """Lightning's DDP contract: the plugin is built on every rank, called on rank 0 only."""
     import torch.distributed as dist
     groups_before = dist.distributed_c10d._world.group_count
-    plugin = AsyncCheckpointIO()
+    os.environ["RANK"] = str(rank)  # as torchrun and Lightning's launcher say it
+    plugin = AsyncCheckpointIO(max_in_flight=1)
     if rank == 0:  # any collective here would hang rank 0 (rank 1 is past this point)
         path = os.path.join(root, "last.ckpt")
         checkpoint = {"state_dict": {"w": torch.full((100,), 2.0)}, "optimizer_states": [{"state": {0: {}}}]}
