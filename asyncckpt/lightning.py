@@ -274,7 +274,7 @@ def _remove_checkpoint_dir(target: str) -> None:
     directory, never a broken checkpoint). Refuses a file, a symlink, and a directory holding
     anything a save does not write."""
     storage = storage_for(target)
-    if not is_remote(target) and os.path.islink(target):
+    if storage.is_symlink(target):
         raise CheckpointError(f"refusing to remove {target!r}: it is a symlink, not a checkpoint directory")
     if storage.exists(target):  # a file
         raise CheckpointError(f"refusing to remove {target!r}: it is a file, not a checkpoint directory")

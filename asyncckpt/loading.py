@@ -41,7 +41,7 @@ _TEMP_FILE = re.compile(r"^\.(\.metadata|\.checksums\.json|latest)\.tmp-\d+$|^\.
 
 def is_checkpoint_file(name: str) -> bool:
     """Whether a file of this name is one a save writes into a checkpoint directory."""
-    return name in (METADATA_FILE, CHECKSUMS_FILE) or bool(DATA_FILE_NAME.match(name) or _TEMP_FILE.match(name))
+    return name in (METADATA_FILE, CHECKSUMS_FILE) or is_data_file(name) or bool(_TEMP_FILE.match(name))
 
 
 def step_dir_name(step: int) -> str:
