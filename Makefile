@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv install test example example-ddp bench bench-doors lint clean
+.PHONY: venv install test example example-ddp example-lightning bench bench-doors bench-lightning lint clean
 
 venv: $(STAMP)
 
@@ -29,11 +29,18 @@ example-ddp: venv
 	$(VENV)/bin/torchrun --nproc_per_node=2 examples/ddp_torchrun.py --root checkpoints/ddp --fresh
 	$(VENV)/bin/torchrun --nproc_per_node=2 examples/ddp_torchrun.py --root checkpoints/ddp --steps 120
 
+example-lightning: venv
+	$(PY) examples/lightning_fit.py --dir checkpoints/lightning --fresh --steps 24
+	$(PY) examples/lightning_fit.py --dir checkpoints/lightning --steps 48
+
 bench: venv
 	$(PY) benchmarks/bench_save.py --out bench_out/bench.json --plot bench_out/bench.png
 
 bench-doors: venv
 	$(PY) benchmarks/bench_doors.py --out bench_out/bench_doors.json
+
+bench-lightning: venv
+	$(PY) benchmarks/bench_lightning.py --out bench_out/bench_lightning.json
 
 lint: venv
 	$(PY) -m pyflakes asyncckpt worker tests examples benchmarks

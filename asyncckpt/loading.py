@@ -39,6 +39,11 @@ _STEP_DIR = re.compile(r"^step_(\d{8,})$")
 _TEMP_FILE = re.compile(r"^\.(\.metadata|\.checksums\.json|latest)\.tmp-[A-Za-z0-9-]+$|^\.metadata\.tmp$|^\.asyncckpt-probe-[\w-]+$")
 
 
+def is_checkpoint_file(name: str) -> bool:
+    """Whether a file of this name is one a save writes into a checkpoint directory."""
+    return name in (METADATA_FILE, CHECKSUMS_FILE) or is_data_file(name) or bool(_TEMP_FILE.match(name))
+
+
 def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
 
@@ -93,12 +98,14 @@ def latest_checkpoint(root: str) -> Optional[CheckpointInfo]:
 
 
 def load(
-    state_dict: dict[str, Any], path: str, *, verify: bool = False, trusted: bool = False, process_group=None
+    state_dict: dict[str, Any], path: str, *, verify: bool = False, trusted: bool = False, process_group=None,
+    no_dist: bool = False,
 ) -> None:
     """Load a committed checkpoint into `state_dict` in place (tensors are copied into the
     existing tensors; resharding follows DCP). With `verify=True`, checksums are checked first.
     Safe for checkpoints from anywhere unless `trusted=True`, which allows full unpickling of
-    `.metadata` and of objects (paths and byte ranges are checked either way)."""
+    `.metadata` and of objects (paths and byte ranges are checked either way). `no_dist=True`:
+    this process loads alone, with no collective, even inside a distributed job."""
     storage = storage_for(path)
     if not storage.exists(storage.join(path, METADATA_FILE)):
         raise CheckpointError(f"{path!r} is not a committed checkpoint (no {METADATA_FILE})")
@@ -109,7 +116,7 @@ def load(
         problems = verify_checkpoint(path, trusted)
         if problems:
             raise CheckpointError(f"{path!r} failed verification: " + "; ".join(problems[:5]))
-    use_dist = dist.is_available() and dist.is_initialized()
+    use_dist = not no_dist and dist.is_available() and dist.is_initialized()
     try:
         with warnings.catch_warnings():  # one process is what we mean: DCP's warning says nothing
             warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")

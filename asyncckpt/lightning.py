@@ -1,0 +1,315 @@
+"""Lightning's CheckpointIO on asyncckpt: `Trainer(plugins=[AsyncCheckpointIO()])`.
+
+Each `.ckpt` path Lightning names becomes a DCP checkpoint directory, written by asyncckpt's
+worker and committed when its `.metadata` lands. `save_checkpoint` returns once the snapshot is
+staged; a commit thread of the plugin commits saves as their writes end (no collective: Lightning
+calls the plugin on global rank 0 only). The checkpoint dict goes through `nested.flatten_exact`,
+so `load_checkpoint` returns exactly the dict that was saved, without a template.
+
+Two saves may be in flight (one checkpointer, i.e. one worker and one staging copy, each):
+ModelCheckpoint with `save_last=True` saves twice per event, and the second must not wait for the
+first one's writes. `max_in_flight=1` halves the memory and makes the second save wait instead.
+
+This module imports Lightning; `import asyncckpt` does not import this module.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import threading
+import weakref
+from typing import Any, Optional
+
+import torch
+
+try:
+    from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+except ImportError as exc:  # asyncckpt itself does not depend on Lightning
+    raise ImportError("asyncckpt.lightning needs Lightning: pip install lightning") from exc
+
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from .checkpointer import AsyncCheckpointer
+from .config import CheckpointConfig
+from .errors import CheckpointError
+from .loading import METADATA_FILE, is_checkpoint_file, load, read_metadata
+from .nested import flatten_exact, map_tensors, unflatten_exact
+from .storage import is_remote, storage_for
+
+log = logging.getLogger("asyncckpt")
+
+COMMIT_POLL_S = 0.02  # how often the commit thread looks for finished writes while a save is in flight
+
+__all__ = ["AsyncCheckpointIO"]
+
+_live: "weakref.WeakSet[AsyncCheckpointIO]" = weakref.WeakSet()
+
+
+class AsyncCheckpointIO(CheckpointIO):
+    """Asynchronous DCP checkpoints for `lightning.Trainer`.
+
+    `config`: a CheckpointConfig (its `on_commit` sees every committed save; `keep_last` is not
+    used: ModelCheckpoint's `save_top_k` decides what is kept). `trusted=True` unpickles objects
+    in a checkpoint fully (needed for e.g. custom classes in `hyper_parameters`); a call's
+    explicit `weights_only=` decides for that call."""
+
+    def __init__(self, config: Optional[CheckpointConfig] = None, *, trusted: bool = False, max_in_flight: int = 2):
+        super().__init__()
+        if config is None:
+            config = CheckpointConfig()
+        if not isinstance(config, CheckpointConfig):
+            raise TypeError(f"config must be a CheckpointConfig, not {type(config).__name__}")
+        if config.keep_last is not None:
+            raise ValueError("AsyncCheckpointIO does not use keep_last: ModelCheckpoint(save_top_k=...) decides what is kept")
+        if type(max_in_flight) is not int or max_in_flight < 1:
+            raise ValueError(f"max_in_flight must be an integer >= 1, not {max_in_flight!r}")
+        self.config, self.trusted, self.max_in_flight = config, bool(trusted), max_in_flight
+        self._init_runtime()
+        if _launched_as_global_rank_zero():  # start the workers now: the first save need not wait for them
+            with self._lock:
+                while len(self._savers) < self.max_in_flight:
+                    self._new_saver()
+
+    def _init_runtime(self) -> None:
+        self._lock = threading.RLock()  # every use of the checkpointers holds it
+        self._wake = threading.Event()  # a save was scheduled: the commit thread has work
+        self._stop = threading.Event()  # closed: the commit thread ends
+        self._savers: list[AsyncCheckpointer] = []  # least recently used first; created on demand
+        self._failures: list[str] = []  # failed saves not yet raised to Lightning
+        self._committer: Optional[threading.Thread] = None
+        self._closed = False
+
+    def __getstate__(self) -> dict:
+        """Strategies that spawn processes pickle the plugin: send the settings, not the workers."""
+        return {"config": self.config, "trusted": self.trusted, "max_in_flight": self.max_in_flight}
+
+    def __setstate__(self, state: dict) -> None:
+        self.config, self.trusted, self.max_in_flight = state["config"], state["trusted"], state["max_in_flight"]
+        self._init_runtime()
+
+    # CheckpointIO ------------------------------------------------------------------------------
+    def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Optional[Any] = None) -> None:
+        """Snapshot `checkpoint` as of now into the DCP directory `path`; returns once staged.
+        Saving to a path again replaces its checkpoint at commit, never before."""
+        if storage_options is not None:
+            raise TypeError("AsyncCheckpointIO.save_checkpoint takes no storage_options (configure it with a CheckpointConfig)")
+        if not isinstance(checkpoint, dict):
+            raise TypeError(f"checkpoint must be a dict, not {type(checkpoint).__name__}")
+        target = _target(path)
+        flat = flatten_exact(checkpoint)
+        with self._lock:
+            self._check_open()
+            self._raise_failures()
+            saver = self._saver_for(target)
+            self._savers.remove(saver)
+            self._savers.append(saver)
+            saver.schedule_save(flat, checkpoint_dir=target)
+            self._start_committer()
+            self._wake.set()
+
+    def load_checkpoint(self, path, map_location: Optional[Any] = None, weights_only: Optional[bool] = None) -> dict:
+        """The dict saved to `path`, read without a template and safely: `.metadata` through the
+        restricted unpickler, objects with weights_only unless trusted. Tensors load on the CPU,
+        or on the device `map_location` names. Waits for a save of `path` still in flight."""
+        target = _target(path)
+        with self._lock:
+            self._finish_saves_of(target)
+            self._raise_failures()
+        storage = storage_for(target)
+        if storage.exists(target):  # a file
+            raise CheckpointError(
+                f"{target!r} is a file, not a DCP checkpoint directory (saved by Lightning's default IO?): "
+                "load it without AsyncCheckpointIO"
+            )
+        if not storage.is_dir(target):
+            raise FileNotFoundError(f"Checkpoint not found: {target}")
+        trusted = self.trusted if weights_only is None else not weights_only
+        if not storage.exists(storage.join(target, METADATA_FILE)):
+            raise CheckpointError(f"{target!r} is not a committed checkpoint (no {METADATA_FILE})")
+        metadata = read_metadata(target, trusted=trusted)
+        flat = {
+            key: torch.empty(meta.size, dtype=meta.properties.dtype) if isinstance(meta, TensorStorageMetadata) else meta
+            for key, meta in metadata.state_dict_metadata.items()
+        }
+        load(flat, target, trusted=trusted, no_dist=True)
+        return map_tensors(unflatten_exact(flat, target), _mover(map_location))
+
+    def remove_checkpoint(self, path) -> None:
+        """Remove the checkpoint directory `path` (after its save, if one is in flight, so it can
+        never reappear). Anything but a checkpoint directory is refused."""
+        target = _target(path)
+        with self._lock:
+            self._finish_saves_of(target)
+            _remove_checkpoint_dir(target)
+            self._raise_failures()
+
+    def teardown(self) -> None:
+        """Commit every save in flight (Lightning calls this at the end of each fit). The plugin,
+        and its workers, stay ready for the next fit."""
+        with self._lock:
+            for saver in list(self._savers):
+                self._finalize(saver, blocking=True)
+            self._raise_failures()
+
+    # beyond CheckpointIO -----------------------------------------------------------------------
+    def wait(self, path=None) -> None:
+        """Block until the save of `path` (or every save) is committed; raise if one failed."""
+        with self._lock:
+            if path is None:
+                self.teardown()
+            else:
+                self._finish_saves_of(_target(path))
+                self._raise_failures()
+
+    def close(self) -> None:
+        """Commit what is in flight and stop the workers. The plugin is unusable afterwards."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            _live.discard(self)
+            for saver in self._savers:
+                try:
+                    saver.close()
+                except Exception as exc:
+                    self._failed(str(exc))
+            self._savers = []
+            self._stop.set()
+            self._wake.set()
+            self._raise_failures()
+
+    # internals ---------------------------------------------------------------------------------
+    def _saver_for(self, target: str) -> AsyncCheckpointer:
+        """The checkpointer writing `target` (a save to the same path waits for it), else an idle
+        one, else a new one up to max_in_flight, else the least recently used (its save is waited for)."""
+        for saver in self._savers:
+            if saver.in_flight_dir == target:
+                return saver
+        for saver in self._savers:
+            if saver.in_flight_dir is None:
+                return saver
+        if len(self._savers) < self.max_in_flight:
+            return self._new_saver()
+        return self._savers[0]
+
+    def _new_saver(self) -> AsyncCheckpointer:
+        saver = AsyncCheckpointer(config=self.config, no_dist=True)  # spawns its worker, without waiting
+        self._savers.append(saver)
+        _live.add(self)
+        return saver
+
+    def _finish_saves_of(self, target: str) -> None:
+        for saver in self._savers:
+            if saver.in_flight_dir == target:
+                self._finalize(saver, blocking=True)
+
+    def _finalize(self, saver: AsyncCheckpointer, blocking: bool) -> None:
+        try:
+            saver.finalize(blocking=blocking)
+        except Exception as exc:  # the failed save removed its own files; Lightning hears of it next call
+            self._failed(str(exc))
+
+    def _failed(self, message: str) -> None:
+        log.error("asynchronous checkpoint failed: %s", message)
+        self._failures.append(message)
+
+    def _raise_failures(self) -> None:
+        if self._failures:
+            failures, self._failures = self._failures, []
+            raise CheckpointError("; ".join(failures))
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CheckpointError("this AsyncCheckpointIO is closed")
+
+    def _start_committer(self) -> None:
+        if self._committer is None or not self._committer.is_alive():
+            self._committer = threading.Thread(target=self._commit_loop, name="asyncckpt-lightning-commit", daemon=True)
+            self._committer.start()
+
+    def _commit_loop(self) -> None:
+        """Commit saves as their writes end, so a checkpoint exists (and on_commit runs) without
+        waiting for Lightning's next call. Polls while a save is in flight; sleeps otherwise."""
+        while True:
+            with self._lock:
+                if self._closed:
+                    return
+                for saver in self._savers:
+                    if saver.in_flight_dir is not None:
+                        self._finalize(saver, blocking=False)
+                pending = any(saver.in_flight_dir is not None for saver in self._savers)
+                if not pending:
+                    self._wake.clear()  # under the lock: a save scheduled after this sets it again
+            if pending:
+                self._stop.wait(COMMIT_POLL_S)
+            else:
+                self._wake.wait(1.0)
+
+
+def _launched_as_global_rank_zero() -> bool:
+    """Whether the launcher's environment says this process is global rank 0 (or a single
+    process). Lightning calls the plugin on rank 0 only, so other ranks start no worker; where
+    the environment does not say (e.g. a strategy that spawns its ranks later), workers start
+    at the first save."""
+    env = os.environ
+    if "RANK" in env or "SLURM_PROCID" in env:  # torchrun, SLURM
+        return env.get("RANK", env.get("SLURM_PROCID")) == "0"
+    return env.get("LOCAL_RANK", "0") == "0" and env.get("NODE_RANK", "0") == "0"  # Lightning's own launcher
+
+
+def _target(path) -> str:
+    """The checkpoint directory for a path Lightning gives (local paths made absolute)."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path must be a str or os.PathLike, not {type(path).__name__}")
+    target = os.fspath(path)
+    if not target:
+        raise ValueError("path must not be empty")
+    return target if is_remote(target) else os.path.abspath(target)
+
+
+def _remove_checkpoint_dir(target: str) -> None:
+    """Delete a checkpoint directory: un-commit it first (a crash mid-delete leaves a torn
+    directory, never a broken checkpoint). Refuses a file, a symlink, and a directory holding
+    anything a save does not write."""
+    storage = storage_for(target)
+    if storage.is_symlink(target):
+        raise CheckpointError(f"refusing to remove {target!r}: it is a symlink, not a checkpoint directory")
+    if storage.exists(target):  # a file
+        raise CheckpointError(f"refusing to remove {target!r}: it is a file, not a checkpoint directory")
+    if not storage.is_dir(target):
+        log.debug("remove_checkpoint: %s does not exist", target)
+        return
+    names = storage.list_dir(target)
+    foreign = [n for n in names if not is_checkpoint_file(n) or storage.is_dir(storage.join(target, n))]
+    if foreign or not names:
+        what = f"it holds {', '.join(sorted(foreign)[:3])}, which a save does not write" if foreign else "it is empty"
+        raise CheckpointError(f"refusing to remove {target!r}: {what}")
+    if METADATA_FILE in names:
+        storage.remove_file(storage.join(target, METADATA_FILE))
+    storage.remove_tree(target)
+    log.debug("removed checkpoint %s", target)
+
+
+def _mover(map_location: Any):
+    """What `map_location` means for tensors loaded on the CPU (torch.load's forms, minus callables)."""
+    if map_location is None:
+        return lambda t: t
+    if isinstance(map_location, dict):
+        map_location = map_location.get("cpu", "cpu")
+    if isinstance(map_location, (str, torch.device)):
+        device = torch.device(map_location)
+        return lambda t: t.to(device)
+    raise TypeError(f"map_location must be None, a device, a str or a dict, not {type(map_location).__name__}")
+
+
+@atexit.register
+def _close_all() -> None:
+    """Registered after asyncckpt.checkpointer's, so it runs first: commit through the plugin's
+    lock (its commit thread may be polling) before the checkpointers are closed."""
+    for plugin in list(_live):
+        try:
+            plugin.close()
+        except Exception as exc:
+            log.error("closing AsyncCheckpointIO at exit: %s", exc)

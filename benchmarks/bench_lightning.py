@@ -1,0 +1,130 @@
+"""A Lightning fit checkpointing every N steps: asyncckpt's plugin vs Lightning's AsyncCheckpointIO
+vs Lightning's default IO (TorchCheckpointIO), against the same fit without checkpoints.
+
+Every method runs the same CPU fit (an MLP, Adam, deterministic data) in this process with
+ModelCheckpoint(every_n_train_steps=N, save_top_k=2, save_last=True), so each checkpoint event is
+two saves (a top-k one and last.ckpt). Figures per method: total fit time (trainer.fit, which
+includes the wait for saves still in flight at its end) and its overhead over the fit without
+checkpoints (the fastest of the runs before and after the others), and the time the training loop
+was blocked per save (`trainer.save_checkpoint` as ModelCheckpoint calls it: gathering the state
+and handing it to the IO plugin): the first event's two saves apart, then mean and max.
+
+    python benchmarks/bench_lightning.py                       # ~100 MB of state, a few minutes
+    python benchmarks/bench_lightning.py --width 2048 --steps 80 --out bench_out/bench_lightning.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import time
+import warnings
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.plugins.io import AsyncCheckpointIO as LightningAsyncIO
+from torch.utils.data import DataLoader, TensorDataset
+
+from asyncckpt.lightning import AsyncCheckpointIO
+
+
+class MLP(L.LightningModule):
+    def __init__(self, width: int, depth: int) -> None:
+        super().__init__()
+        layers = [torch.nn.Linear(64, width), torch.nn.GELU()]
+        for _ in range(depth):
+            layers += [torch.nn.Linear(width, width), torch.nn.GELU()]
+        self.net = torch.nn.Sequential(*layers, torch.nn.Linear(width, 8))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.net(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-4)
+
+
+def fit(method: str, args, root: str) -> dict:
+    torch.manual_seed(0)
+    x = torch.randn(args.steps * args.batch, 64)
+    loader = DataLoader(TensorDataset(x, x[:, :8].sin()), batch_size=args.batch, shuffle=False)
+    plugins = {"lightning-async": [LightningAsyncIO], "asyncckpt": [AsyncCheckpointIO]}.get(method, [])
+    plugins = [make() for make in plugins]
+    callbacks = [] if method == "none" else [ModelCheckpoint(
+        dirpath=os.path.join(root, method), monitor="train_loss", save_top_k=2, every_n_train_steps=args.every, save_last=True)]
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_steps=args.steps, plugins=plugins, callbacks=callbacks,
+        enable_checkpointing=method != "none", logger=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0,
+    )
+    blocked: list[float] = []
+    save = trainer.save_checkpoint
+
+    def timed_save(*a, **kw):
+        started = time.perf_counter()
+        try:
+            return save(*a, **kw)
+        finally:
+            blocked.append(time.perf_counter() - started)
+
+    trainer.save_checkpoint = timed_save
+    model = MLP(args.width, args.depth)
+    started = time.perf_counter()
+    trainer.fit(model, loader)
+    total = time.perf_counter() - started
+    for plugin in plugins:
+        if isinstance(plugin, AsyncCheckpointIO):
+            plugin.close()
+    state_mb = sum(p.numel() * p.element_size() for p in model.parameters()) * 3 / 1e6  # weights + Adam's 2 moments
+    steady = blocked[2:]  # the first event's two saves are reported apart (first use of the IO)
+    return {"method": method, "fit_s": total, "saves": len(blocked), "state_mb": state_mb,
+            "blocked_first_event_s": blocked[:2], "blocked_mean_s": statistics.mean(steady) if steady else 0.0,
+            "blocked_max_s": max(steady, default=0.0)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--width", type=int, default=1536)
+    parser.add_argument("--depth", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--every", type=int, default=10, help="checkpoint every N steps")
+    parser.add_argument("--dir", help="where checkpoints go (default: a temporary directory)")
+    parser.add_argument("--out", help="write the rows as JSON here")
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore")
+    root = args.dir or tempfile.mkdtemp(prefix="bench_lightning_")
+    rows = []
+    try:
+        for method in ("none", "default", "lightning-async", "asyncckpt", "none"):
+            rows.append(fit(method, args, root))
+            shutil.rmtree(os.path.join(root, method), ignore_errors=True)
+    finally:
+        if not args.dir:
+            shutil.rmtree(root, ignore_errors=True)
+    baseline = min(r["fit_s"] for r in rows if r["method"] == "none")
+    table = [r for r in rows if r["method"] != "none"]
+    print(f"state {rows[0]['state_mb']:.0f} MB, {args.steps} steps, a checkpoint event every {args.every} steps "
+          f"(2 saves each: top-k + last); fit without checkpoints {baseline:.2f} s")
+    print(f"{'method':<16} {'fit s':>8} {'overhead':>9} {'saves':>6} {'blocked 1st event':>18} "
+          f"{'blocked/save after':>19} {'max':>8}")
+    for r in table:
+        r["overhead"] = r["fit_s"] / baseline - 1
+        first = " + ".join(f"{b:.3f}" for b in r["blocked_first_event_s"])
+        print(f"{r['method']:<16} {r['fit_s']:>8.2f} {r['overhead']:>8.1%} {r['saves']:>6} {first:>17}s "
+              f"{r['blocked_mean_s']:>18.3f}s {r['blocked_max_s']:>7.3f}s")
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump({"baseline_fit_s": baseline, "rows": rows, "args": vars(args)}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,314 @@
+"""asyncckpt.lightning.AsyncCheckpointIO with a real lightning.Trainer on CPU: what ModelCheckpoint
+keeps, resuming, exact round trips, removal and replacement racing saves, bad input, and DDP."""
+
+from __future__ import annotations
+
+import collections
+import os
+import shutil
+import subprocess
+import sys
+import threading
+
+import psutil
+import pytest
+import torch
+
+L = pytest.importorskip("lightning", reason="Lightning is not installed (pip install lightning; CI installs it)")
+
+import torch.distributed.checkpoint as dcp  # noqa: E402
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+from asyncckpt import CheckpointConfig, CheckpointError, verify_checkpoint  # noqa: E402
+from asyncckpt.lightning import AsyncCheckpointIO  # noqa: E402
+from asyncckpt.nested import unflatten_exact  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLE = os.path.join(REPO, "examples", "lightning_fit.py")
+MiB = 1 << 20
+
+
+class Tiny(L.LightningModule):
+    def __init__(self, lr: float = 1e-2) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.net(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.Adam(self.parameters(), lr=self.hparams.lr)
+        return [optimizer], [torch.optim.lr_scheduler.StepLR(optimizer, step_size=3)]
+
+
+def _loader() -> DataLoader:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(24, 8, generator=gen)  # 3 batches an epoch: step 6 ends an epoch
+    return DataLoader(TensorDataset(x, x[:, :2].cos()), batch_size=8, shuffle=False)
+
+
+def _fit(dirpath: str, steps: int, plugin=None, ckpt_path=None):
+    torch.manual_seed(0)
+    checkpoint = ModelCheckpoint(dirpath=dirpath, monitor="train_loss", save_top_k=2, every_n_train_steps=2, save_last=True)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_steps=steps, plugins=[plugin] if plugin else [], callbacks=[checkpoint],
+        logger=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+    )
+    model = Tiny()
+    trainer.fit(model, _loader(), ckpt_path=ckpt_path)
+    return model, trainer, checkpoint
+
+
+def _final(model, trainer) -> dict:
+    return {"model": model.state_dict(), "optim": trainer.optimizers[0].state_dict(), "step": trainer.global_step}
+
+
+def assert_exactly_equal(a, b, where="") -> None:
+    """Same keys (and key types), same container kinds (tuple ~ list), tensors equal in dtype,
+    shape and values."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, where
+        assert torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and list(a.keys()) == list(b.keys()), f"{where}: {list(a)} != {list(b)}"
+        assert [type(k) for k in a] == [type(k) for k in b], where
+        for key in a:
+            assert_exactly_equal(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_exactly_equal(x, y, f"{where}[{i}]")
+    else:
+        assert type(a) is type(b) and a == b, f"{where}: {a!r} != {b!r}"
+
+
+def _is_committed_dir(path: str) -> bool:
+    return os.path.isdir(path) and os.path.isfile(os.path.join(path, ".metadata"))
+
+
+def test_fit_keeps_committed_dcp_dirs_and_resumes_exactly_as_default_io(tmp_path):
+    """Uninterrupted 12 steps vs 6 + resume to 12, with Lightning's default IO and with the
+    plugin (explicit ckpt_path, and ckpt_path="last"); one plugin serves several fits."""
+    reference = _final(*_fit(str(tmp_path / "u"), 12)[:2])
+    _fit(str(tmp_path / "d"), 6)
+    default_io = _final(*_fit(str(tmp_path / "d"), 12, ckpt_path="last")[:2])
+
+    plugin = AsyncCheckpointIO()
+    try:
+        first = str(tmp_path / "a")
+        _, _, callback = _fit(first, 6, plugin)
+        kept = {os.path.basename(p) for p in callback.best_k_models} | {"last.ckpt"}
+        assert len(kept) == 3 and set(os.listdir(first)) == kept  # removed top-k ones are gone, nothing else
+        assert all(_is_committed_dir(os.path.join(first, name)) for name in kept)
+        assert all(verify_checkpoint(os.path.join(first, name)) == [] for name in kept)
+        shutil.copytree(first, str(tmp_path / "b"))
+
+        by_path = _final(*_fit(first, 12, plugin, ckpt_path=os.path.join(first, "last.ckpt"))[:2])
+        by_last = _final(*_fit(str(tmp_path / "b"), 12, plugin, ckpt_path="last")[:2])
+    finally:
+        plugin.close()
+    assert_exactly_equal(by_path, default_io, "resumed by path")
+    assert_exactly_equal(by_last, default_io, "resumed from last")
+    assert_exactly_equal(default_io, reference, "default IO resumed vs uninterrupted")
+
+
+def _awkward_checkpoint() -> dict:
+    return {
+        "state_dict": collections.OrderedDict([("layer.weight", torch.randn(4, 3)), ("layer.bias", torch.zeros(4))]),
+        "optimizer_states": [{"state": {0: {"step": torch.tensor(5.0), "exp_avg": torch.randn(4, 3)}, 1: {}},
+                              "param_groups": [{"params": [0, 1], "betas": (0.9, 0.999), "lr": 0.1}]}],
+        "layer": {"weight": torch.ones(2)},  # its flat name collides with state_dict's dotted keys' style
+        "a.b": torch.full((3,), 7, dtype=torch.int64), "a": {"b": torch.full((3,), 8, dtype=torch.int64)},
+        "empty": {}, "empty_list": [], "pair": (torch.arange(3, dtype=torch.int16), "label", None),
+        "callbacks": {"ModelCheckpoint{'monitor': 'loss', 'every_n_train_steps': 2}": {"kth_value": torch.tensor(0.5)}},
+        "odd_keys": {(1, "x"): 1.5, 2: "two", 3.5: True, None: b"bytes"},
+        "bf16": torch.randn(5, dtype=torch.bfloat16), "scalar": torch.tensor(3), "none": None, "epoch": 3,
+    }
+
+
+def _clone(obj):
+    from asyncckpt.nested import map_tensors
+    return map_tensors(obj, lambda t: t.clone())
+
+
+def test_load_checkpoint_returns_exactly_the_saved_dict_as_of_the_save(tmp_path):
+    checkpoint = _awkward_checkpoint()
+    expected = _clone(checkpoint)
+    path = str(tmp_path / "run" / "epoch=0-step=1.ckpt")
+    plugin = AsyncCheckpointIO(max_in_flight=1)
+    try:
+        plugin.save_checkpoint(checkpoint, path)
+        from asyncckpt.nested import map_tensors
+        map_tensors(checkpoint, lambda t: t.add_(1))  # every tensor changes right after the call returns
+        loaded = plugin.load_checkpoint(path)  # waits for the save in flight
+    finally:
+        plugin.close()
+    assert_exactly_equal(loaded, expected)
+    assert isinstance(loaded["pair"], tuple) and isinstance(loaded["state_dict"], collections.OrderedDict)
+    assert os.listdir(str(tmp_path / "run")) == ["epoch=0-step=1.ckpt"]
+    converted = str(tmp_path / "converted.pt")
+    dcp_to_torch_save(path, converted)  # stock DCP converts it
+    assert_exactly_equal(unflatten_exact(torch.load(converted, weights_only=True)), expected)
+
+
+def _workers(plugin) -> list[psutil.Process]:
+    return [psutil.Process(saver.worker_pid) for saver in plugin._savers]
+
+
+def test_remove_during_an_in_flight_save_waits_and_it_never_reappears(tmp_path):
+    state = {"w": torch.randn(MiB // 4)}
+    path = str(tmp_path / "epoch=0-step=2.ckpt")
+    plugin = AsyncCheckpointIO(max_in_flight=1)
+    try:
+        plugin.save_checkpoint(state, str(tmp_path / "warm.ckpt"))
+        plugin.teardown()
+        plugin.save_checkpoint(state, path)  # staged; its writes are still to come
+        [worker] = [psutil.Process(s.worker_pid) for s in plugin._savers if s.in_flight_dir == path]
+        worker.suspend()  # the save stays in flight until the worker goes on
+        resume = threading.Timer(0.5, worker.resume)
+        resume.start()
+        try:
+            plugin.remove_checkpoint(path)
+        finally:
+            resume.join()
+            worker.resume()
+        assert not os.path.exists(path)
+        plugin.teardown()  # nothing left in flight, nothing failed
+        assert sorted(os.listdir(tmp_path)) == ["warm.ckpt"]
+    finally:
+        plugin.close()
+
+
+def test_a_failed_replace_of_last_ckpt_keeps_the_old_one(tmp_path):
+    state = {"state_dict": {"w": torch.randn(2 * MiB // 4), "v": torch.randn(2 * MiB // 4)}}
+    path = str(tmp_path / "last.ckpt")
+    plugin = AsyncCheckpointIO(CheckpointConfig(io_workers=1, timeout_s=60.0), max_in_flight=1)
+    try:
+        plugin.save_checkpoint(state, path)
+        plugin.teardown()
+        expected = _clone(state)
+        state["state_dict"]["w"].add_(1.0)
+        [worker] = _workers(plugin)
+        limits = worker.rlimit(psutil.RLIMIT_FSIZE)
+        worker.rlimit(psutil.RLIMIT_FSIZE, (MiB, limits[1]))  # the re-save's data file fails with EFBIG
+        try:
+            with pytest.raises(CheckpointError, match="EFBIG|File too large"):
+                plugin.save_checkpoint(state, path)
+                plugin.teardown()
+        finally:
+            worker.rlimit(psutil.RLIMIT_FSIZE, limits)
+        assert_exactly_equal(plugin.load_checkpoint(path), expected)
+        assert verify_checkpoint(path) == []
+        plugin.save_checkpoint(state, path)  # a successful replace
+        assert_exactly_equal(plugin.load_checkpoint(path), _clone(state))
+        assert os.listdir(tmp_path) == ["last.ckpt"]
+    finally:
+        plugin.close()
+
+
+class Custom:
+    def __init__(self, value) -> None:
+        self.value = value
+
+
+def test_bad_input_is_refused_clearly(tmp_path):
+    a_file = str(tmp_path / "old.ckpt")
+    torch.save({"state_dict": {}}, a_file)
+    foreign = tmp_path / "notes"
+    foreign.mkdir()
+    (foreign / "todo.txt").write_text("keep")
+    stock = str(tmp_path / "stock")
+    dcp.save({"w": torch.ones(2)}, checkpoint_id=stock, no_dist=True)
+    with pytest.raises(ValueError, match="keep_last"):
+        AsyncCheckpointIO(CheckpointConfig(keep_last=2))
+    plugin = AsyncCheckpointIO(max_in_flight=1)
+    try:
+        with pytest.raises(TypeError, match="storage_options"):
+            plugin.save_checkpoint({"w": torch.ones(2)}, str(tmp_path / "x.ckpt"), storage_options={"a": 1})
+        with pytest.raises(TypeError, match="must be a dict"):
+            plugin.save_checkpoint([torch.ones(2)], str(tmp_path / "x.ckpt"))
+        with pytest.raises(CheckpointError, match="old.ckpt.*a file"):
+            plugin.save_checkpoint({"w": torch.ones(2)}, a_file)
+        with pytest.raises(FileNotFoundError, match="missing.ckpt"):
+            plugin.load_checkpoint(str(tmp_path / "missing.ckpt"))
+        with pytest.raises(CheckpointError, match="a file, not a DCP checkpoint directory"):
+            plugin.load_checkpoint(a_file)
+        with pytest.raises(CheckpointError, match="asyncckpt.structure"):
+            plugin.load_checkpoint(stock)
+        with pytest.raises(CheckpointError, match="a file, not a checkpoint directory"):
+            plugin.remove_checkpoint(a_file)
+        with pytest.raises(CheckpointError, match="todo.txt"):
+            plugin.remove_checkpoint(str(foreign))
+        plugin.remove_checkpoint(str(tmp_path / "missing.ckpt"))  # like Lightning's: nothing to remove
+        assert sorted(os.listdir(tmp_path)) == ["notes", "old.ckpt", "stock"]
+        assert os.listdir(foreign) == ["todo.txt"]
+
+        path = str(tmp_path / "custom.ckpt")
+        plugin.save_checkpoint({"hyper_parameters": {"obj": Custom(3)}, "w": torch.ones(2)}, path)
+        with pytest.raises(CheckpointError, match="Custom.*trusted=True"):
+            plugin.load_checkpoint(path)
+        assert plugin.load_checkpoint(path, weights_only=False)["hyper_parameters"]["obj"].value == 3
+        with pytest.raises(TypeError, match="map_location"):
+            plugin.load_checkpoint(path, map_location=lambda storage, loc: storage, weights_only=False)
+    finally:
+        plugin.close()
+    assert AsyncCheckpointIO(trusted=True, max_in_flight=1).load_checkpoint(path)["hyper_parameters"]["obj"].value == 3
+
+
+def test_importing_asyncckpt_does_not_import_lightning():
+    code = "import sys, asyncckpt; assert not any(m.split('.')[0] in ('lightning', 'pytorch_lightning') for m in sys.modules)"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def _rank0_alone(rank: int, world_size: int, root: str) -> None:
+    """Lightning's DDP contract: the plugin is built on every rank, called on rank 0 only."""
+    import torch.distributed as dist
+    groups_before = dist.distributed_c10d._world.group_count
+    os.environ["RANK"] = str(rank)  # as torchrun and Lightning's launcher say it
+    plugin = AsyncCheckpointIO(max_in_flight=1)
+    if rank == 0:  # any collective here would hang rank 0 (rank 1 is past this point)
+        path = os.path.join(root, "last.ckpt")
+        checkpoint = {"state_dict": {"w": torch.full((100,), 2.0)}, "optimizer_states": [{"state": {0: {}}}]}
+        plugin.save_checkpoint(checkpoint, path)
+        assert_exactly_equal(plugin.load_checkpoint(path), checkpoint)
+        plugin.save_checkpoint(checkpoint, os.path.join(root, "epoch=0-step=1.ckpt"))
+        plugin.remove_checkpoint(path)
+    plugin.teardown()
+    assert dist.distributed_c10d._world.group_count == groups_before, "the plugin created a process group"
+    assert rank == 0 or plugin._savers == [], "a rank that never saves started a worker"
+    plugin.close()
+
+
+def test_under_a_process_group_rank0_saves_loads_and_removes_alone(tmp_path):
+    from multirank import run_ranks
+    run_ranks(_rank0_alone, 2, str(tmp_path), timeout_s=240)
+    assert os.listdir(tmp_path) == ["epoch=0-step=1.ckpt"]
+
+
+def _run_example(*args: str) -> subprocess.CompletedProcess:
+    done = subprocess.run([sys.executable, EXAMPLE, *args], cwd=REPO, capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done
+
+
+@pytest.mark.slow
+def test_example_under_two_rank_ddp_resumes_like_an_uninterrupted_run(tmp_path):
+    """The example (what `make example-lightning` runs) on 2 DDP ranks (gloo): the plugin is built
+    on both ranks and saves from rank 0; resuming from the step-6 checkpoint of an uninterrupted
+    run ends exactly where that run ended, and the restored state matches the checkpoint."""
+    ddp = ("--devices", "2", "--save-every", "3", "--top-k", "-1", "--steps", "9")
+    first, second = str(tmp_path / "first"), str(tmp_path / "second")
+    whole = _run_example("--dir", first, "--fresh", "--final", str(tmp_path / "whole.pt"), *ddp)
+    assert whole.stdout.count("committed last.ckpt") == 3
+    names = ["epoch=0-step=3.ckpt", "epoch=1-step=6.ckpt", "epoch=2-step=9.ckpt", "last.ckpt"]
+    assert sorted(os.listdir(first)) == names and all(_is_committed_dir(os.path.join(first, n)) for n in names)
+    resumed = _run_example("--dir", second, "--resume", os.path.join(first, names[1]),
+                           "--final", str(tmp_path / "resumed.pt"), *ddp)
+    assert "at step 6: weights and optimizer state match the checkpoint" in resumed.stdout, resumed.stdout
+    assert_exactly_equal(torch.load(str(tmp_path / "resumed.pt")), torch.load(str(tmp_path / "whole.pt")))
