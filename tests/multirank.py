@@ -3,18 +3,13 @@
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import time
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from conftest import free_port
 
 
 def _entry(rank: int, fn, world_size: int, port: int, args: tuple) -> None:

@@ -16,11 +16,8 @@ import threading
 import torch
 
 from asyncckpt import AsyncCheckpointer, CheckpointConfig, load
-from conftest import assert_state_equal, clone_state, make_model_and_optimizer, make_state, train_step, zeros_like_state
+from conftest import assert_state_equal, clone_state, make_model_and_optimizer, make_state, step_path, train_step, zeros_like_state
 
-
-def step_path(root: str, step: int) -> str:
-    return os.path.join(root, f"step_{step:08d}")
 
 
 class paused_worker:

@@ -224,17 +224,43 @@ def test_a_process_group_that_cannot_carry_cpu_collectives_is_refused(tmp_path):
     assert not os.path.exists(tmp_path / "ckpt")  # refused before anything was created
 
 
-def _mismatched_calls(rank: int, world: int, root: str) -> None:
+def _mismatched_calls(rank: int, world: int, root: str, out: str) -> None:
+    """A bug in the training loop: rank 0 calls schedule_save (and finalize) once more than rank 1,
+    so its third agreement (schedule_save of step 2) meets rank 1's (schedule_save of step 3)."""
     ckpt = AsyncCheckpointer(root, CheckpointConfig(timeout_s=30))
-    with pytest.raises(CheckpointError, match="disagree"):
-        ckpt.schedule_save({"w": torch.ones(4)}, step=1 + rank)  # a bug: ranks save different steps
+    state = {"w": torch.full((4,), float(rank))}
+    ckpt.schedule_save(state, step=1)
+    assert [r.step for r in ckpt.finalize(blocking=True)] == [1]
+    steps = [2, 3] if rank == 0 else [3]
+    raised = []
+    for step in steps:
+        try:
+            ckpt.schedule_save(state, step=step)
+            ckpt.finalize(blocking=True)
+        except CheckpointError as exc:
+            raised.append((step, str(exc)))
+            break
+    with open(f"{out}.{rank}", "w") as f:
+        json.dump({"raised": raised}, f)
     assert ckpt.finalize() == []  # nothing was started on either rank
-    ckpt.schedule_save({"w": torch.ones(4)}, step=5)  # back in step: saves work again
+    ckpt.schedule_save(state, step=5)  # back in step: saves work again
     assert [r.step for r in ckpt.close()] == [5]
 
 
-def test_mismatched_call_counts_are_reported_not_hung(tmp_path):
-    run_ranks(_mismatched_calls, 2, str(tmp_path / "ckpt"), timeout_s=90)
+def test_mismatched_call_counts_are_reported_on_every_rank_not_hung(tmp_path):
+    root, out = str(tmp_path / "ckpt"), str(tmp_path / "calls")
+    run_ranks(_mismatched_calls, 2, root, out, timeout_s=90)
+    results = []
+    for rank in (0, 1):
+        with open(f"{out}.{rank}") as f:
+            results.append(json.load(f))
+    assert [len(r["raised"]) for r in results] == [1, 1], results  # CheckpointError on every rank
+    assert results[0]["raised"][0][0] == 2 and results[1]["raised"][0][0] == 3  # at the mismatched call
+    for rank, result in enumerate(results):
+        message = result["raised"][0][1]
+        assert f"rank {rank}: ranks disagree at schedule_save" in message and "steps 2..3" in message, message
+    committed = sorted(n for n in os.listdir(root) if os.path.exists(os.path.join(root, n, ".metadata")))
+    assert committed == ["step_00000001", "step_00000005"]  # neither mismatched step was committed
 
 
 def _one_rank_stops_calling(rank: int, world: int, root: str, out: str) -> None:

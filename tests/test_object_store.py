@@ -22,14 +22,14 @@ import torch.distributed.checkpoint as dcp
 from asyncckpt import AsyncCheckpointer, CheckpointConfig, CheckpointError, load
 from asyncckpt.msc_storage import MscStorage
 from asyncckpt.storage import storage_for
-from conftest import assert_state_equal, clone_state, make_model_and_optimizer, make_state, owned_memory_bytes, zeros_like_state
-from s3_server import BUCKET, PROFILE, write_msc_config
+from asyncckpt.testing.s3_server import BUCKET, PROFILE, write_msc_config
+from conftest import (
+    MemorySampler, assert_state_equal, clone_state, free_port, make_model_and_optimizer, make_state, step_path,
+    zeros_like_state,
+)
 
 MiB = 1 << 20
 
-
-def step_path(root: str, step: int) -> str:
-    return f"{root}/step_{step:08d}"
 
 
 @pytest.fixture
@@ -89,7 +89,7 @@ def test_backend_publishes_only_complete_objects_and_deletes_dot_files(s3, schem
 
 
 def test_unreachable_or_unknown_store_fails_before_handoff(s3, tmp_path, monkeypatch):
-    closed_port = _closed_port()
+    closed_port = free_port()  # nothing listens there
     config = tmp_path / "msc.yaml"
     dead = f"dead-{uuid.uuid4().hex[:8]}"
     write_msc_config(str(config), {PROFILE: s3.server.endpoint, dead: f"http://127.0.0.1:{closed_port}"})
@@ -185,12 +185,6 @@ def _shut(s: socket.socket) -> None:
     except OSError:
         pass
     s.close()
-
-
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _upload_state(seed: int) -> dict:
@@ -309,51 +303,18 @@ def test_checkpoints_load_with_msc_reader_stock_dcp_and_load_latest(s3):
 
 
 # memory while uploading --------------------------------------------------------------------------------
-class _PeakSampler:
-    """Samples a process's memory every few ms: peak RSS and peak owned memory (private pages
-    plus the worker's own shared staging slab): the trainer's tensors, which the worker reads
-    through shared memory, are not the worker's own."""
-
-    def __init__(self, pid: int, interval_s: float = 0.01) -> None:
-        self._process = psutil.Process(pid)
-        self._interval = interval_s
-        self._stop = threading.Event()
-        self.peak_rss = self.peak_private = 0
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self) -> "_PeakSampler":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def sample(self) -> tuple[int, int]:
-        return self._process.memory_info().rss, owned_memory_bytes(self._process.pid)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                rss, private = self.sample()
-            except psutil.Error:
-                return
-            self.peak_rss, self.peak_private = max(self.peak_rss, rss), max(self.peak_private, private)
-            time.sleep(self._interval)
-
-
 def _measure_save(root: str, state: dict, config: CheckpointConfig):
     """Save `state` once with a warmed-up worker (imports, clients and threads already made);
     returns the report and the worker's peak extra private and RSS bytes during the save."""
     with AsyncCheckpointer(root, config) as ckpt:
         ckpt.schedule_save({"warm-up": torch.ones(4)}, step=0)
         ckpt.finalize(blocking=True)
-        with _PeakSampler(ckpt.worker_pid) as sampler:
-            base_rss, base_private = sampler.sample()
+        with MemorySampler(ckpt.worker_pid, interval_s=0.01) as sampler:
+            base_rss, base_owned = sampler.sample()
             ckpt.schedule_save(state, step=1)
             [report] = ckpt.finalize(blocking=True)
     storage_for(root).remove_tree(step_path(root, 1))  # frees the server's copy
-    return report, sampler.peak_private - base_private, sampler.peak_rss - base_rss
+    return report, sampler.peak_owned - base_owned, sampler.peak_rss - base_rss
 
 
 @pytest.mark.slow

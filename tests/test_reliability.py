@@ -5,6 +5,7 @@ the next save recovers. Everything here is real: worker processes, SIGKILL/SIGST
 from __future__ import annotations
 
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -21,14 +22,11 @@ from asyncckpt import AsyncCheckpointer, CheckpointConfig, CheckpointError, Chec
 from asyncckpt import snapshot as snapshot_module
 from asyncckpt.loading import read_latest_marker
 from asyncckpt.snapshot import SHM_DIR, SharingNeeds, check_shm_space, ensure_fd_room, shared_memory_needed
-from conftest import assert_state_equal, clone_state, wait_gone, zeros_like_state
+from conftest import assert_state_equal, clone_state, step_path, wait_gone, zeros_like_state
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MiB = 1 << 20
 
-
-def step_path(root: str, step: int) -> str:
-    return os.path.join(root, f"step_{step:08d}")
 
 
 def config(**overrides) -> CheckpointConfig:
@@ -69,10 +67,50 @@ def committed_steps(root: str) -> list[int]:
     )
 
 
+class PinnedWrite:
+    """Pins a save mid-write without timing: the data file it will write is made a FIFO first.
+    The writer's open succeeds (this reader is open) and its writes block once the pipe is full;
+    `read(n)` takes the first n bytes and stops reading, so from then on the writer is provably
+    blocked inside the file with the rest of it unwritten (and no WriteDone can have been sent).
+    Only this process holds the read end: close it after the writer is gone."""
+
+    def __init__(self, path: str) -> None:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        os.mkfifo(path)
+        self.path, self.taken = path, 0
+        self._fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+
+    def read(self, nbytes: int, timeout_s: float = 120.0) -> None:
+        """Read until `nbytes` of the file went through (bounded; the writer starts when the save
+        reaches this file)."""
+        deadline = time.monotonic() + timeout_s
+        while self.taken < nbytes:
+            assert time.monotonic() < deadline, f"only {self.taken} bytes of {self.path} written in {timeout_s}s"
+            select.select([self._fd], [], [], 0.05)
+            try:
+                self.taken += len(os.read(self._fd, min(1 << 16, nbytes - self.taken)))
+            except BlockingIOError:  # a writer is connected and has not written more yet
+                pass
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
+def stop_tree(pid: int) -> list[psutil.Process]:
+    """SIGSTOP a process, then its descendants (it cannot fork new ones once stopped); returns them."""
+    os.kill(pid, signal.SIGSTOP)
+    descendants = psutil.Process(pid).children(recursive=True)
+    for child in descendants:
+        child.send_signal(signal.SIGSTOP)
+    return descendants
+
+
 # 1. worker killed while it writes -------------------------------------------------------------
 @pytest.mark.parametrize("io", ["thread", "process"])
 def test_worker_killed_while_writing_fails_finalize_within_timeout_and_next_save_recovers(ckpt_root, io):
-    timeout_s = 5.0
+    """The worker (and its writer children) is stopped while a data file of step 2 is provably
+    half written, then SIGKILLed: finalize names the death at once (not after timeout_s)."""
+    timeout_s = 30.0
     state = big_state(64)
     with AsyncCheckpointer(ckpt_root, config(io=io, io_workers=1)) as ckpt:
         ckpt.schedule_save(state, step=1)
@@ -81,18 +119,26 @@ def test_worker_killed_while_writing_fails_finalize_within_timeout_and_next_save
         expected_1 = clone_state(state)
         bump(state, 1.0)
 
-        ckpt.schedule_save(state, step=2)  # eager: returns once staged, the worker now writes
-        old_pid = ckpt.worker_pid
-        writers = psutil.Process(old_pid).children()
-        os.kill(old_pid, signal.SIGKILL)
-        started = time.monotonic()
-        with pytest.raises(CheckpointError, match=r"step 2 not committed.*died \(killed by signal 9\)"):
-            ckpt.finalize(blocking=True)
-        elapsed = time.monotonic() - started
+        pinned = PinnedWrite(os.path.join(step_path(ckpt_root, 2), "__0_0.distcp"))
+        try:
+            ckpt.schedule_save(state, step=2)  # eager: returns once staged, the worker now writes
+            pinned.read(MiB)  # 1 MiB of the 64 MiB file written; the writer blocks in the rest
+            old_pid = ckpt.worker_pid
+            writers = stop_tree(old_pid)
+            if io == "process":
+                assert writers, "no writer child while the file is half written"
+            assert ckpt.finalize() == []  # no WriteDone: the save is still in flight
+            os.kill(old_pid, signal.SIGKILL)
+            started = time.monotonic()
+            with pytest.raises(CheckpointError, match=r"step 2 not committed.*died \(killed by signal 9\)"):
+                ckpt.finalize(blocking=True)
+            elapsed = time.monotonic() - started
+            for child in writers:
+                wait_gone(child.pid, 60)  # stopped writers die with the worker (SIGKILL on parent death)
+        finally:
+            pinned.close()
         print(f"\n[{io}] finalize raised {elapsed:.3f}s after the kill (timeout_s={timeout_s})")
-        assert elapsed < timeout_s
-        for child in writers:
-            wait_gone(child.pid, 10)
+        assert elapsed < timeout_s  # the death was noticed, not waited out (that message differs too)
 
         assert read_latest_marker(ckpt_root) == "step_00000001"
         assert committed_steps(ckpt_root) == [1]
@@ -408,10 +454,9 @@ TRAINER = textwrap.dedent(
     ckpt.schedule_save(state, step=0)
     ckpt.finalize(blocking=True)
     print("ready", ckpt.worker_pid, flush=True)
-    step = 1
-    while mode == "saving":
-        ckpt.schedule_save(state, step=step)
-        step += 1
+    if mode == "saving" and sys.stdin.readline().strip() == "go":
+        ckpt.schedule_save(state, step=1)  # eager: staged, the worker writes; never finalized
+        print("scheduled", flush=True)
     time.sleep(300)
     """
 )
@@ -419,34 +464,43 @@ TRAINER = textwrap.dedent(
 
 @pytest.mark.parametrize("mode,io", [("idle", "thread"), ("saving", "thread"), ("saving", "process")])
 def test_trainer_killed_takes_its_worker_and_writers_with_it(tmp_path, mode, io):
+    """SIGKILL of the trainer, idle or while its save of step 1 is provably half written: the
+    worker and every writer child go, step 1 is not committed and step 0 still loads."""
+    root = str(tmp_path / "ckpt")
     script = tmp_path / "trainer.py"
     script.write_text(TRAINER)
     trainer = subprocess.Popen(
-        [sys.executable, str(script), mode, io, str(tmp_path / "ckpt")], stdout=subprocess.PIPE, text=True, cwd=REPO
+        [sys.executable, str(script), mode, io, root], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO
     )
+    pinned = None
     try:
         line = trainer.stdout.readline().split()
         assert line[:1] == ["ready"], line
         worker = psutil.Process(int(line[1]))
         writers: list[psutil.Process] = []
-        deadline = time.monotonic() + 30
         if mode == "saving":
-            time.sleep(0.3)
-        while io == "process" and not writers and time.monotonic() < deadline:
-            writers = worker.children()  # forked writer children exist only while a save writes
-            time.sleep(0.005)
-        if io == "process":
-            assert writers, "never saw a writer child"
+            pinned = PinnedWrite(os.path.join(step_path(root, 1), "__0_0.distcp"))
+            trainer.stdin.write("go\n")
+            trainer.stdin.flush()
+            assert trainer.stdout.readline().split() == ["scheduled"]
+            pinned.read(MiB)  # the writer of one 16 MiB file is blocked in its second MiB
+            writers = worker.children(recursive=True)
+            if io == "process":
+                assert writers, "no writer child while a file is half written"
         trainer.kill()
-        trainer.wait(10)
-        gone = {"worker": wait_gone(worker.pid, 10)}
+        trainer.wait(60)
+        gone = {"worker": wait_gone(worker.pid, 60)}
         for child in writers:
-            gone[f"writer {child.pid}"] = wait_gone(child.pid, 10)
+            gone[f"writer {child.pid}"] = wait_gone(child.pid, 60)
         print(f"\n[{mode}/{io}] gone after trainer SIGKILL: " + ", ".join(f"{k} {v:.2f}s" for k, v in gone.items()))
     finally:
         if trainer.poll() is None:
             trainer.kill()
             trainer.wait()
+        if pinned is not None:
+            pinned.close()
+    assert committed_steps(root) == [0] and read_latest_marker(root) == "step_00000000"
+    assert_loads(root, 0, {f"t{i}": torch.full((4 << 20,), float(i)) for i in range(4)})
 
 
 # 7. shared memory ---------------------------------------------------------------------------
