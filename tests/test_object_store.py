@@ -242,6 +242,11 @@ def test_connection_cut_mid_upload_commits_nothing_and_keeps_latest(s3, tmp_path
         print(f"cut mid-upload: CheckpointError after {failed_after:.1f}s; step_00000002 keys left: {keys}")
     finally:
         proxy.close()
+    # the cut multipart uploads could not be aborted while the network was down; nothing aborts
+    # them once it is back (an open upload keeps its parts stored, and billed, on a real store)
+    open_uploads = s3.pending_multipart_uploads(f"{prefix}/")
+    if open_uploads:
+        pytest.xfail(f"known library gap: multipart uploads left open after the cut: {open_uploads}")
 
 
 def _local_reference_files(root, state, config: CheckpointConfig) -> dict[str, bytes]:
@@ -331,11 +336,11 @@ def test_worker_memory_while_uploading_stays_near_the_staging_pool(s3, tmp_path)
     for label, tensor_bytes, count, where in cases:
         state = {f"layer{i}": torch.rand(tensor_bytes // 4) for i in range(count)}
         state_bytes = tensor_bytes * count
-        reports = {}
+        reports, extras = {}, {}
         for kind in where:
             root = str(tmp_path / f"ckpt-{count}") if kind == "local" else s3.url("s3", s3.unique_prefix("mem"))
             report, extra_private, extra_rss = _measure_save(root, state, config)
-            reports[kind] = report
+            reports[kind], extras[kind] = report, extra_private
             print(
                 f"{label} to {kind}: durable in {report.durable_s:.1f}s, writes {report.bytes / MiB / report.write_s:.0f} MiB/s; "
                 f"worker peak extra: private {extra_private / MiB:.0f} MiB, rss {extra_rss / MiB:.0f} MiB"
@@ -344,5 +349,9 @@ def test_worker_memory_while_uploading_stays_near_the_staging_pool(s3, tmp_path)
             if kind == "s3" and tensor_bytes * count // config.io_workers > 64 * MiB:  # multipart only
                 assert extra_private < state_bytes + 64 * MiB, (label, kind, extra_private / MiB)
         if "local" in reports:
-            ratio = reports["local"].write_s / reports["s3"].write_s
-            print(f"{label}: s3 (moto) writes at {ratio:.2f}x the local disk's rate")
+            # the same save uploaded costs the local write's memory plus bounded upload buffers
+            ratio = extras["s3"] / extras["local"]
+            rate = reports["local"].write_s / reports["s3"].write_s
+            print(f"{label}: s3 (moto) peak extra memory {ratio:.2f}x the local write's; writes at {rate:.2f}x its rate")
+            assert extras["local"] > 0.9 * state_bytes  # the measurement sees the whole-state slab
+            assert ratio < 1 + 64 * MiB / extras["local"], (label, ratio)

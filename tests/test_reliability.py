@@ -589,13 +589,16 @@ def test_fd_room_decision():
 
 FD_SCRIPT = textwrap.dedent(
     """
-    import os, resource, sys, torch
+    import os, resource, sys, psutil, torch
     from asyncckpt import AsyncCheckpointer, CheckpointConfig, CheckpointError
-    resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
-    with AsyncCheckpointer(sys.argv[1], CheckpointConfig(timeout_s=60.0)) as ckpt:
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
+    with AsyncCheckpointer(sys.argv[1], CheckpointConfig(timeout_s=60.0)) as ckpt:  # its worker starts with 256
         state = {f"p{i}": torch.full((4,), float(i)) for i in range(600)}  # 600 tensors > 256 files
         ckpt.schedule_save(state, step=1)
         print("committed", [r.step for r in ckpt.finalize(blocking=True)], flush=True)
+        worker_soft, worker_hard = psutil.Process(ckpt.worker_pid).rlimit(psutil.RLIMIT_NOFILE)
+        print("limits", hard, resource.getrlimit(resource.RLIMIT_NOFILE)[0], worker_soft, worker_hard, flush=True)
         limit = len(os.listdir("/proc/self/fd")) + 100  # the held tensors keep theirs open
         resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))  # now it cannot be raised
         try:
@@ -619,6 +622,10 @@ def test_more_tensors_than_the_open_file_limit(tmp_path):
     print("\n" + done.stdout)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "committed [1]" in done.stdout
+    [limits] = [line.split()[1:] for line in done.stdout.splitlines() if line.startswith("limits ")]
+    hard, trainer_soft, worker_soft, worker_hard = (int(x) for x in limits)
+    assert trainer_soft >= 600  # the trainer raised its own soft limit for the 600 shared tensors
+    assert worker_soft == worker_hard == hard  # the worker, started with 256, took its hard limit
     assert "refused: too many tensors to share with the checkpoint worker: 600 shared-memory segments" in done.stdout
 
 
