@@ -7,6 +7,7 @@ import importlib
 import os
 import pickle
 import shutil
+import sys
 import tempfile
 import threading
 import time
@@ -235,6 +236,28 @@ class MemorySampler:
         self._stop.set()
         self._thread.join()
         self._record()
+
+
+def call_when_waiting(thread_id: int, function: str, action, timeout_s: float = 120.0) -> threading.Thread:
+    """From a helper thread, run `action()` once thread `thread_id` is inside a call of `function`
+    (e.g. blocked in `wait_staged`): an event the test can wait for instead of a guessed delay.
+    Returns the started helper thread; join it."""
+
+    def watch() -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            frame = sys._current_frames().get(thread_id)
+            while frame is not None:
+                if frame.f_code.co_name == function:
+                    action()
+                    return
+                frame = frame.f_back
+            time.sleep(0.001)
+        action()  # never seen waiting: act anyway so nothing hangs; the test's checks fail it
+
+    helper = threading.Thread(target=watch, daemon=True)
+    helper.start()
+    return helper
 
 
 def wait_gone(pid: int, timeout_s: float) -> float:
