@@ -82,6 +82,7 @@ def _load_resharded(rank: int, world: int, path: str, step: int) -> None:
     assert target["meta"]["step"] == step
 
 
+@pytest.mark.timeout(600)  # two run_ranks: 4 ranks save, 2 ranks load
 @pytest.mark.parametrize("world", [2, 4])
 def test_ranks_save_one_checkpoint_that_stock_dcp_loads_resharded(world, tmp_path):
     root, out = str(tmp_path / "ckpt"), str(tmp_path / "out.json")
@@ -240,7 +241,7 @@ def _mismatched_calls(rank: int, world: int, root: str, out: str) -> None:
 
 def test_mismatched_call_counts_are_reported_on_every_rank_not_hung(tmp_path):
     root, out = str(tmp_path / "ckpt"), str(tmp_path / "calls")
-    run_ranks(_mismatched_calls, 2, root, out, timeout_s=90)
+    run_ranks(_mismatched_calls, 2, root, out)
     results = []
     for rank in (0, 1):
         with open(f"{out}.{rank}") as f:
@@ -280,7 +281,7 @@ def _one_rank_stops_calling(rank: int, world: int, root: str, out: str) -> None:
 
 def test_a_rank_that_stops_calling_fails_the_others_within_the_timeout(tmp_path):
     out = str(tmp_path / "result.json")
-    run_ranks(_one_rank_stops_calling, 2, str(tmp_path / "ckpt"), out, timeout_s=90)
+    run_ranks(_one_rank_stops_calling, 2, str(tmp_path / "ckpt"), out)
     with open(out) as f:
         result = json.load(f)
     assert not result["committed"]  # no rank committed a save the others never agreed to
@@ -303,6 +304,6 @@ def _one_rank_dies(rank: int, world: int, root: str, out: str) -> None:
 
 def test_a_rank_that_dies_fails_the_others_instead_of_hanging(tmp_path):
     out = str(tmp_path / "result.json")
-    run_ranks(_one_rank_dies, 2, str(tmp_path / "ckpt"), out, timeout_s=90)
+    run_ranks(_one_rank_dies, 2, str(tmp_path / "ckpt"), out)
     with open(out) as f:
         assert json.load(f)["waited"] < 30
