@@ -664,7 +664,7 @@ class AsyncCkpt(Method):
 
 class AsyncCkptS3(AsyncCkpt):
     """asyncckpt saving to `s3://BUCKET/PREFIX` on a local S3 server: moto_server on loopback,
-    started by tests/s3_server.py's MotoServer for this row and stopped in teardown (also after an
+    started by asyncckpt/testing/s3_server.py's MotoServer for this row and stopped in teardown (also after an
     error). The server's own memory is left out of the row's memory figures."""
 
     PREFIX = "bench"
@@ -677,13 +677,10 @@ class AsyncCkptS3(AsyncCkpt):
 
     def prepare(self) -> None:
         os.makedirs(self.workdir, exist_ok=True)
-        tests_dir = os.path.join(REPO_ROOT, "tests")
-        if tests_dir not in sys.path:
-            sys.path.insert(0, tests_dir)
-        try:  # the tests' moto_server helper; needs the test extras (moto[server], boto3, pytest)
+        try:  # the moto_server helper the tests use too; needs the test extras (moto[server], boto3)
             for module in ("boto3", "multistorageclient"):
                 importlib.import_module(module)
-            import s3_server
+            from asyncckpt.testing import s3_server
         except ImportError as exc:
             raise Skip(f"no local S3 server: needs the test extras (moto[server], boto3, "
                        f"multi-storage-client): {exc}") from exc

@@ -1,15 +1,24 @@
-"""Shared fixtures: checkpoint roots and small realistic training states."""
+"""Shared fixtures and helpers: checkpoint roots (local and on the session's S3 server), small
+realistic training states, step paths, free ports, crafted pickles, memory sampling."""
 
 from __future__ import annotations
 
+import importlib
 import os
+import pickle
+import shutil
+import sys
+import tempfile
+import threading
 import time
 
 import psutil
 import pytest
 import torch
 
-pytest_plugins = ["s3_server"]
+from asyncckpt.testing.s3_server import BUCKET, MotoServer, S3Session, free_port, session_env, write_msc_config
+
+__all__ = ["free_port"]  # re-exported for the tests: one helper for every loopback port
 
 BACKENDS = ("local", "msc", "s3")
 
@@ -45,6 +54,60 @@ def ckpt_root(request, tmp_path, ckpt_backend) -> str:
         return os.path.join(str(tmp_path), "ckpt")
     s3 = request.getfixturevalue("s3_server")
     return s3.url(ckpt_backend, s3.unique_prefix(request.node.name) + "/ckpt")
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """The session's moto_server, bucket and MSC_CONFIG, with MSC_CONFIG / AWS_* set for the
+    session so worker processes spawned by the tests inherit them. Tests that need it are
+    skipped, with the reason, when moto_server or the S3 clients are not installed."""
+    try:
+        importlib.import_module("boto3")
+        importlib.import_module("multistorageclient")
+    except ImportError as exc:
+        pytest.skip(f"object-store tests need multi-storage-client[boto3] and boto3: {exc}")
+    workdir = tempfile.mkdtemp(prefix="asyncckpt-s3-")
+    try:
+        server = MotoServer.start(workdir)
+    except (RuntimeError, OSError) as exc:
+        shutil.rmtree(workdir, ignore_errors=True)
+        pytest.skip(f"no local S3 server: {exc}")
+    try:
+        server.create_bucket(BUCKET)
+        session = S3Session(server, os.path.join(workdir, "msc_config.yaml"))
+        write_msc_config(session.config_path, {session.profile: server.endpoint})
+        with pytest.MonkeyPatch.context() as mp:
+            for name, value in session_env(session.config_path, server.endpoint).items():
+                mp.setenv(name, value)
+            mp.delenv("AWS_PROFILE", raising=False)
+            yield session
+    finally:
+        server.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def step_path(root: str, step: int) -> str:
+    """`ROOT/step_{step:08d}`, the checkpoint directory of a step (a local path or an object-store URL)."""
+    return f"{root.rstrip('/')}/step_{step:08d}"
+
+
+class Payload:
+    """Unpickling this creates the directory `marker`: the stand-in for arbitrary code."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.mkdir, (self.marker,))
+
+
+def rewrite_metadata(path: str, change) -> None:
+    """Replace a checkpoint's `.metadata` with `change(metadata)` pickled (the test trusts its own files)."""
+    file = os.path.join(path, ".metadata")
+    with open(file, "rb") as f:
+        metadata = pickle.load(f)
+    with open(file, "wb") as f:
+        pickle.dump(change(metadata), f)
 
 
 def make_model_and_optimizer(seed: int = 0):
@@ -130,6 +193,72 @@ def owned_memory_bytes(pid: int) -> int:
             elif key in ("Private_Clean", "Private_Dirty") or (owned_shared and key in ("Shared_Clean", "Shared_Dirty")):
                 total += int(rest.split()[0]) * 1024
     return total
+
+
+class MemorySampler:
+    """Peak memory of a process while the block runs, sampled from a thread every few ms: `peak_rss`,
+    and `peak_owned` = what it owns (`owned_memory_bytes`) plus the USS of its children (a forked
+    writer shares the slab, which USS leaves out, so nothing counts twice). `sample()` gives
+    (rss, owned) now, e.g. the baseline before the save."""
+
+    def __init__(self, pid: int, interval_s: float = 0.005) -> None:
+        self.process = psutil.Process(pid)
+        self.interval_s = interval_s
+        self.peak_rss = self.peak_owned = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def sample(self) -> tuple[int, int]:
+        owned = owned_memory_bytes(self.process.pid)
+        for child in self.process.children():
+            try:
+                owned += child.memory_full_info().uss
+            except (psutil.Error, OSError):  # a writer child that just exited
+                pass
+        return self.process.memory_info().rss, owned
+
+    def _record(self) -> None:
+        rss, owned = self.sample()
+        self.peak_rss, self.peak_owned = max(self.peak_rss, rss), max(self.peak_owned, owned)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._record()
+            except (psutil.Error, OSError):
+                return
+            self._stop.wait(self.interval_s)
+
+    def __enter__(self) -> "MemorySampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._record()
+
+
+def call_when_waiting(thread_id: int, function: str, action, timeout_s: float = 120.0) -> threading.Thread:
+    """From a helper thread, run `action()` once thread `thread_id` is inside a call of `function`
+    (e.g. blocked in `wait_staged`): an event the test can wait for instead of a guessed delay.
+    Returns the started helper thread; join it."""
+
+    def watch() -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            frame = sys._current_frames().get(thread_id)
+            while frame is not None:
+                if frame.f_code.co_name == function:
+                    action()
+                    return
+                frame = frame.f_back
+            time.sleep(0.001)
+        action()  # never seen waiting: act anyway so nothing hangs; the test's checks fail it
+
+    helper = threading.Thread(target=watch, daemon=True)
+    helper.start()
+    return helper
 
 
 def wait_gone(pid: int, timeout_s: float) -> float:

@@ -3,18 +3,13 @@
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import time
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from conftest import free_port
 
 
 def _entry(rank: int, fn, world_size: int, port: int, args: tuple) -> None:
@@ -36,9 +31,11 @@ def _entry(rank: int, fn, world_size: int, port: int, args: tuple) -> None:
     os._exit(0)
 
 
-def run_ranks(fn, world_size: int, *args, timeout_s: float = 120.0) -> None:
+def run_ranks(fn, world_size: int, *args, timeout_s: float = 240.0) -> None:
     """Run fn(rank, world_size, *args) on `world_size` spawned ranks; raise if any rank fails or
-    if they do not all finish within `timeout_s` (so a bug fails the test instead of hanging)."""
+    if they do not all finish within `timeout_s` (so a bug fails the test instead of hanging).
+    The bound is a hang guard, not a speed check: generous, because each rank and its worker
+    start an interpreter and import torch, which takes minutes for 4 ranks on a busy 2-core box."""
     context = mp.start_processes(
         _entry, args=(fn, world_size, free_port(), args), nprocs=world_size, join=False, start_method="spawn"
     )

@@ -5,24 +5,19 @@ from __future__ import annotations
 
 import glob
 import os
-import threading
 
-import psutil
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
 from asyncckpt import AsyncCheckpointer, CheckpointConfig, load
-from conftest import assert_state_equal, clone_state, owned_memory_bytes, zeros_like_state
+from conftest import MemorySampler, assert_state_equal, clone_state, step_path, zeros_like_state
 
 MiB = 1 << 20
 STATE_BYTES = 32 * MiB
 BUDGET = STATE_BYTES // 4
 SLACK = 6 * MiB  # the worker's own transient allocations during a save (pickles, thread stacks)
 
-
-def step_path(root: str, step: int) -> str:
-    return os.path.join(root, f"step_{step:08d}")
 
 
 def big_state() -> dict:
@@ -46,50 +41,15 @@ def big_state() -> dict:
     return state
 
 
-class UssSampler:
-    """Peak memory a process and its children own (private pages plus the worker's own shared
-    staging slab; not the trainer's shared-memory sources), sampled from a thread."""
-
-    def __init__(self, pid: int) -> None:
-        self.process = psutil.Process(pid)
-        self.peak = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def uss(self) -> int:
-        total = owned_memory_bytes(self.process.pid)
-        for child in self.process.children():
-            try:
-                total += child.memory_full_info().uss  # a forked writer shares the slab: not counted twice
-            except (psutil.Error, OSError):
-                pass
-        return total
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, self.uss())
-            self._stop.wait(0.005)
-
-    def __enter__(self):
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, self.uss())
-
-
 def _save_measured(root: str, state: dict, config: CheckpointConfig):
     with AsyncCheckpointer(root, config) as ckpt:
         ckpt.schedule_save({"warmup": torch.ones(16)}, step=0)  # thread pools, imports, caches
         ckpt.finalize(blocking=True)
-        sampler = UssSampler(ckpt.worker_pid)
-        baseline = sampler.uss()
-        with sampler:
+        with MemorySampler(ckpt.worker_pid) as sampler:
+            _, baseline = sampler.sample()
             ckpt.schedule_save(state, step=1)
             [report] = ckpt.finalize(blocking=True)
-    return report, sampler.peak - baseline
+    return report, sampler.peak_owned - baseline
 
 
 @pytest.mark.parametrize("io", ["thread", "process"])

@@ -12,11 +12,8 @@ import torch
 
 from asyncckpt import AsyncCheckpointer, CheckpointConfig, CheckpointError, load
 from asyncckpt.loading import verify_checkpoint
-from conftest import assert_state_equal, clone_state, zeros_like_state
+from conftest import assert_state_equal, clone_state, step_path, zeros_like_state
 
-
-def step_path(root: str, step: int) -> str:
-    return os.path.join(root, f"step_{step:08d}")
 
 
 def saved_checkpoint(root: str, io: str = "thread") -> tuple[str, dict]:

@@ -7,7 +7,6 @@ import dataclasses
 import datetime
 import json
 import os
-import pickle
 import shutil
 import subprocess
 import sys
@@ -16,7 +15,7 @@ import pytest
 import torch
 
 from asyncckpt import AsyncCheckpointer, cli
-from conftest import clone_state, make_model_and_optimizer, make_state, train_step
+from conftest import Payload, clone_state, make_model_and_optimizer, make_state, rewrite_metadata, step_path, train_step
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -26,9 +25,6 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
         [sys.executable, "-m", "asyncckpt", *args], cwd=REPO, capture_output=True, text=True, timeout=120
     )
 
-
-def step_path(root: str, step: int) -> str:
-    return os.path.join(root, f"step_{step:08d}")
 
 
 def flat_keys(obj, prefix: str = "") -> set[str]:
@@ -78,24 +74,6 @@ def test_ls_marks_the_torn_checkpoint_and_the_latest(saved):
     assert "torn" in rows["step_00000003"] and "committed" not in rows["step_00000003"]
     assert "latest" not in rows["step_00000003"]
     assert "3 checkpoints (2 committed, 1 torn)" in result.stdout
-
-
-class Payload:
-    """Unpickling this creates a directory: the stand-in for arbitrary code."""
-
-    def __init__(self, marker: str) -> None:
-        self.marker = marker
-
-    def __reduce__(self):
-        return (os.mkdir, (self.marker,))
-
-
-def rewrite_metadata(path: str, change) -> None:
-    file = os.path.join(path, ".metadata")
-    with open(file, "rb") as f:
-        metadata = pickle.load(f)  # the test trusts its own files
-    with open(file, "wb") as f:
-        pickle.dump(change(metadata), f)
 
 
 def test_ls_reads_metadata_safely_and_marks_refused_and_unreadable_checkpoints(saved, tmp_path, capsys):

@@ -23,8 +23,7 @@ import psutil
 import pytest
 import torch
 
-import asyncckpt
-from asyncckpt import AsyncCheckpointer, CheckpointConfig
+from asyncckpt import AsyncCheckpointer, CheckpointConfig, cleanup, latest_checkpoint, load
 from asyncckpt.loading import list_checkpoints, read_latest_marker
 from conftest import wait_gone
 
@@ -141,7 +140,7 @@ def test_trainer_killed_at_random_points_always_leaves_a_loadable_committed_late
         assert line[:1] == ["spawned"], line
         return int(line[1])
 
-    next_trainer = spawn("thread")
+    next_trainer, trainer_pid = spawn("thread"), None
     try:
         last_step = -1
         for iteration in range(ITERATIONS):
@@ -156,11 +155,8 @@ def test_trainer_killed_at_random_points_always_leaves_a_loadable_committed_late
             assert line[:2] == ["ready", str(trainer_pid)], line
             worker_pid = int(line[2])
             delay = rng.uniform(0.0, 0.8)
-            time.sleep(delay)
-            try:
-                writers = psutil.Process(worker_pid).children()
-            except psutil.NoSuchProcess:
-                writers = []
+            time.sleep(delay)  # not synchronisation: where in its save loop the trainer is killed is random
+            writers = psutil.Process(worker_pid).children(recursive=True)  # the worker must still be up
             os.kill(trainer_pid, 9)
             command(f"reap {trainer_pid}")
             line = read_line(zygote.stdout, 30)
@@ -186,12 +182,17 @@ def test_trainer_killed_at_random_points_always_leaves_a_loadable_committed_late
             committed = {c.name for c in infos if c.committed}
             assert read_latest_marker(root) in committed
             torn = [c.name for c in infos if not c.committed]
+            check_cleanup(root, infos, dry_run=True)  # after every kill, not only at the end
             history.append((iteration, io, round(ready_s, 2), round(delay, 2), step, len(writers), round(worker_gone_s, 2), torn))
             last_step = step
     finally:
         reader.close()
-        if next_trainer is not None:
-            os.kill(next_trainer, 9)
+        for pid in (trainer_pid, next_trainer):  # alive only if a check above failed
+            if pid is not None:
+                try:
+                    os.kill(pid, 9)
+                except ProcessLookupError:
+                    pass
         zygote.stdin.close()
         zygote.wait(30)
     print(f"\n{ITERATIONS} kills in {time.monotonic() - started:.1f}s")
@@ -200,12 +201,20 @@ def test_trainer_killed_at_random_points_always_leaves_a_loadable_committed_late
         print("  ", row)
     assert last_step > ITERATIONS // 2  # the trainers made progress between kills
 
-    cleanup = getattr(asyncckpt, "cleanup", None)
-    if cleanup is not None:  # asyncckpt.cleanup(root) removes torn leftovers, keeps every committed one
-        before = list_checkpoints(root)
-        removed = cleanup(root)
-        after = list_checkpoints(root)
-        print(f"cleanup removed {[os.path.basename(p) for p in removed]}")
-        assert {c.path for c in before if not c.committed} <= set(removed)
-        assert [c.name for c in after] == [c.name for c in before if c.committed]
-        assert asyncckpt.latest_checkpoint(root).step == last_step
+    before = list_checkpoints(root)
+    removed = check_cleanup(root, before, dry_run=False)
+    print(f"cleanup removed {[os.path.basename(p) for p in removed]}")
+    assert [c.name for c in list_checkpoints(root)] == [c.name for c in before if c.committed]
+    latest = latest_checkpoint(root)
+    assert latest.step == last_step
+    target = zeros_like(expected_state(0))
+    load(target, latest.path)  # what cleanup kept still loads
+    assert torch.equal(target["weights"]["t0"], expected_state(last_step)["weights"]["t0"])
+
+
+def check_cleanup(root: str, infos, dry_run: bool) -> list[str]:
+    """`cleanup(root)` takes every torn step directory and nothing a committed checkpoint holds."""
+    removed = cleanup(root, dry_run=dry_run)
+    assert {c.path for c in infos if not c.committed} <= set(removed), (removed, infos)
+    assert not {c.path for c in infos if c.committed} & set(removed), removed
+    return removed

@@ -17,15 +17,12 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from asyncckpt import AsyncCheckpointer, CheckpointConfig, CheckpointError, load
 from asyncckpt.storage import is_remote, storage_for
-from conftest import assert_state_equal, clone_state, make_model_and_optimizer, make_state, train_step, wait_gone, zeros_like_state
+from conftest import assert_state_equal, clone_state, make_model_and_optimizer, make_state, step_path, train_step, wait_gone, zeros_like_state
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 pytestmark = pytest.mark.all_backends  # tests taking ckpt_root also run on msc:// and s3:// roots
 
-
-def step_path(root: str, step: int) -> str:
-    return os.path.join(root, f"step_{step:08d}")
 
 
 def test_round_trip_is_bitwise_equal_with_stock_dcp_load(ckpt_root):

@@ -14,13 +14,10 @@ import torch.distributed.checkpoint as dcp
 
 from asyncckpt import AsyncCheckpointer, CheckpointConfig, CheckpointError, latest_checkpoint, verify_checkpoint
 from asyncckpt.loading import read_latest_marker
-from conftest import assert_state_equal, clone_state, make_model_and_optimizer, make_state, zeros_like_state
+from conftest import assert_state_equal, clone_state, make_model_and_optimizer, make_state, step_path, zeros_like_state
 
 MODES = ["thread", "process"]
 
-
-def step_path(root: str, step: int) -> str:
-    return os.path.join(root, f"step_{step:08d}")
 
 
 def small_state() -> dict:

@@ -16,30 +16,29 @@ import threading
 import torch
 
 from asyncckpt import AsyncCheckpointer, CheckpointConfig, load
-from conftest import assert_state_equal, clone_state, make_model_and_optimizer, make_state, train_step, zeros_like_state
+from conftest import assert_state_equal, call_when_waiting, clone_state, make_model_and_optimizer, make_state, step_path, train_step, zeros_like_state
 
-
-def step_path(root: str, step: int) -> str:
-    return os.path.join(root, f"step_{step:08d}")
 
 
 class paused_worker:
-    """Stop the worker process now and let it go on after `resume_after_s` (from a timer thread,
-    so a call blocked on the worker in this thread is released), or at exit at the latest."""
+    """Stop the worker process now. With `until_waited`, it goes on as soon as this thread is
+    blocked in `wait_staged` (from a helper thread, so the blocked call is released): whatever
+    ran before that wait ran while the worker provably had not copied anything. Otherwise it
+    goes on at exit."""
 
-    def __init__(self, pid: int, resume_after_s: float | None = None) -> None:
-        self.pid, self.resume_after_s, self.timer = pid, resume_after_s, None
+    def __init__(self, pid: int, until_waited: bool = False) -> None:
+        self.pid, self.until_waited, self.helper = pid, until_waited, None
 
     def __enter__(self):
         os.kill(self.pid, signal.SIGSTOP)
-        if self.resume_after_s is not None:
-            self.timer = threading.Timer(self.resume_after_s, os.kill, (self.pid, signal.SIGCONT))
-            self.timer.start()
+        if self.until_waited:
+            resume = lambda: os.kill(self.pid, signal.SIGCONT)
+            self.helper = call_when_waiting(threading.get_ident(), "wait_staged", resume)
         return self
 
     def __exit__(self, *exc):
-        if self.timer is not None:
-            self.timer.join()
+        if self.helper is not None:
+            self.helper.join()
         os.kill(self.pid, signal.SIGCONT)
         return False
 
@@ -55,7 +54,7 @@ def test_guarded_optimizer_saves_the_scheduled_step_on_every_save(ckpt_root):
                 expected[step] = clone_state(state)
                 if step >= 4:  # the worker is paused: the next optimizer.step() must wait for it
                     ckpt.finalize(blocking=True)
-                    with paused_worker(ckpt.worker_pid, resume_after_s=0.05):
+                    with paused_worker(ckpt.worker_pid, until_waited=True):
                         ckpt.schedule_save(state, step=step)
                         train_step(model, optimizer)
                     continue
@@ -88,7 +87,7 @@ def test_unguarded_mutation_before_wait_staged_leaks_and_wait_staged_first_preve
             state["w"].sub_(1000.0)
 
         # the documented contract: wait_staged() before the mutation
-        with paused_worker(ckpt.worker_pid, resume_after_s=0.05):
+        with paused_worker(ckpt.worker_pid, until_waited=True):
             ckpt.schedule_save(state, step=2)
             ckpt.wait_staged()
             with torch.no_grad():

@@ -22,14 +22,14 @@ import torch.distributed.checkpoint as dcp
 from asyncckpt import AsyncCheckpointer, CheckpointConfig, CheckpointError, load
 from asyncckpt.msc_storage import MscStorage
 from asyncckpt.storage import storage_for
-from conftest import assert_state_equal, clone_state, make_model_and_optimizer, make_state, owned_memory_bytes, zeros_like_state
-from s3_server import BUCKET, PROFILE, write_msc_config
+from asyncckpt.testing.s3_server import BUCKET, PROFILE, write_msc_config
+from conftest import (
+    MemorySampler, assert_state_equal, clone_state, free_port, make_model_and_optimizer, make_state, step_path,
+    zeros_like_state,
+)
 
 MiB = 1 << 20
 
-
-def step_path(root: str, step: int) -> str:
-    return f"{root}/step_{step:08d}"
 
 
 @pytest.fixture
@@ -89,7 +89,7 @@ def test_backend_publishes_only_complete_objects_and_deletes_dot_files(s3, schem
 
 
 def test_unreachable_or_unknown_store_fails_before_handoff(s3, tmp_path, monkeypatch):
-    closed_port = _closed_port()
+    closed_port = free_port()  # nothing listens there
     config = tmp_path / "msc.yaml"
     dead = f"dead-{uuid.uuid4().hex[:8]}"
     write_msc_config(str(config), {PROFILE: s3.server.endpoint, dead: f"http://127.0.0.1:{closed_port}"})
@@ -187,12 +187,6 @@ def _shut(s: socket.socket) -> None:
     s.close()
 
 
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _upload_state(seed: int) -> dict:
     """~40 MiB in four files: two above the msc profile's multipart threshold, two single PUTs."""
     g = torch.Generator().manual_seed(seed)
@@ -248,6 +242,11 @@ def test_connection_cut_mid_upload_commits_nothing_and_keeps_latest(s3, tmp_path
         print(f"cut mid-upload: CheckpointError after {failed_after:.1f}s; step_00000002 keys left: {keys}")
     finally:
         proxy.close()
+    # the cut multipart uploads could not be aborted while the network was down; nothing aborts
+    # them once it is back (an open upload keeps its parts stored, and billed, on a real store)
+    open_uploads = s3.pending_multipart_uploads(f"{prefix}/")
+    if open_uploads:
+        pytest.xfail(f"known library gap: multipart uploads left open after the cut: {open_uploads}")
 
 
 def _local_reference_files(root, state, config: CheckpointConfig) -> dict[str, bytes]:
@@ -309,51 +308,18 @@ def test_checkpoints_load_with_msc_reader_stock_dcp_and_load_latest(s3):
 
 
 # memory while uploading --------------------------------------------------------------------------------
-class _PeakSampler:
-    """Samples a process's memory every few ms: peak RSS and peak owned memory (private pages
-    plus the worker's own shared staging slab): the trainer's tensors, which the worker reads
-    through shared memory, are not the worker's own."""
-
-    def __init__(self, pid: int, interval_s: float = 0.01) -> None:
-        self._process = psutil.Process(pid)
-        self._interval = interval_s
-        self._stop = threading.Event()
-        self.peak_rss = self.peak_private = 0
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self) -> "_PeakSampler":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def sample(self) -> tuple[int, int]:
-        return self._process.memory_info().rss, owned_memory_bytes(self._process.pid)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                rss, private = self.sample()
-            except psutil.Error:
-                return
-            self.peak_rss, self.peak_private = max(self.peak_rss, rss), max(self.peak_private, private)
-            time.sleep(self._interval)
-
-
 def _measure_save(root: str, state: dict, config: CheckpointConfig):
     """Save `state` once with a warmed-up worker (imports, clients and threads already made);
     returns the report and the worker's peak extra private and RSS bytes during the save."""
     with AsyncCheckpointer(root, config) as ckpt:
         ckpt.schedule_save({"warm-up": torch.ones(4)}, step=0)
         ckpt.finalize(blocking=True)
-        with _PeakSampler(ckpt.worker_pid) as sampler:
-            base_rss, base_private = sampler.sample()
+        with MemorySampler(ckpt.worker_pid, interval_s=0.01) as sampler:
+            base_rss, base_owned = sampler.sample()
             ckpt.schedule_save(state, step=1)
             [report] = ckpt.finalize(blocking=True)
     storage_for(root).remove_tree(step_path(root, 1))  # frees the server's copy
-    return report, sampler.peak_private - base_private, sampler.peak_rss - base_rss
+    return report, sampler.peak_owned - base_owned, sampler.peak_rss - base_rss
 
 
 @pytest.mark.slow
@@ -370,11 +336,11 @@ def test_worker_memory_while_uploading_stays_near_the_staging_pool(s3, tmp_path)
     for label, tensor_bytes, count, where in cases:
         state = {f"layer{i}": torch.rand(tensor_bytes // 4) for i in range(count)}
         state_bytes = tensor_bytes * count
-        reports = {}
+        reports, extras = {}, {}
         for kind in where:
             root = str(tmp_path / f"ckpt-{count}") if kind == "local" else s3.url("s3", s3.unique_prefix("mem"))
             report, extra_private, extra_rss = _measure_save(root, state, config)
-            reports[kind] = report
+            reports[kind], extras[kind] = report, extra_private
             print(
                 f"{label} to {kind}: durable in {report.durable_s:.1f}s, writes {report.bytes / MiB / report.write_s:.0f} MiB/s; "
                 f"worker peak extra: private {extra_private / MiB:.0f} MiB, rss {extra_rss / MiB:.0f} MiB"
@@ -383,8 +349,12 @@ def test_worker_memory_while_uploading_stays_near_the_staging_pool(s3, tmp_path)
             if kind == "s3" and tensor_bytes * count // config.io_workers > 64 * MiB:  # multipart only
                 assert extra_private < state_bytes + 64 * MiB, (label, kind, extra_private / MiB)
         if "local" in reports:
-            ratio = reports["local"].write_s / reports["s3"].write_s
-            print(f"{label}: s3 (moto) writes at {ratio:.2f}x the local disk's rate")
+            # the same save uploaded costs the local write's memory plus bounded upload buffers
+            ratio = extras["s3"] / extras["local"]
+            rate = reports["local"].write_s / reports["s3"].write_s
+            print(f"{label}: s3 (moto) peak extra memory {ratio:.2f}x the local write's; writes at {rate:.2f}x its rate")
+            assert extras["local"] > 0.9 * state_bytes  # the measurement sees the whole-state slab
+            assert ratio < 1 + 64 * MiB / extras["local"], (label, ratio)
 
 
 def test_upload_memory_wait_is_bounded_and_names_the_upload():

@@ -17,13 +17,10 @@ from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader
 from asyncckpt import AsyncCheckpointer, CheckpointConfig, load
 from asyncckpt.loading import SafeLoadPlanner, SafeReader
 from asyncckpt.loading import verify_checkpoint
-from conftest import assert_state_equal, clone_state, zeros_like_state
+from conftest import assert_state_equal, clone_state, step_path, zeros_like_state
 
 MiB = 1 << 20
 
-
-def step_path(root: str, step: int) -> str:
-    return os.path.join(root, f"step_{step:08d}")
 
 
 def mixed_state() -> dict:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import pickle
 
 import pytest
 import torch
@@ -16,17 +15,7 @@ from asyncckpt.cli import main as cli_main
 from asyncckpt.loading import read_metadata
 from asyncckpt.storage import LocalStorage
 from multirank import run_ranks
-from conftest import assert_state_equal, clone_state, make_model_and_optimizer, make_state, zeros_like_state
-
-
-class Payload:
-    """Unpickling this creates a directory: the stand-in for arbitrary code."""
-
-    def __init__(self, marker: str) -> None:
-        self.marker = marker
-
-    def __reduce__(self):
-        return (os.mkdir, (self.marker,))
+from conftest import Payload, assert_state_equal, clone_state, make_model_and_optimizer, make_state, rewrite_metadata, step_path, zeros_like_state
 
 
 @dataclasses.dataclass
@@ -41,20 +30,11 @@ def save_async(root: str, state: dict, step: int = 1, **config) -> str:
     ckpt.schedule_save(state, step)
     ckpt.finalize(blocking=True)
     ckpt.close()
-    return os.path.join(root, f"step_{step:08d}")
+    return step_path(root, step)
 
 
 def small_state() -> dict:
     return {"w": torch.arange(64.0).reshape(8, 8), "b": torch.randn(5), "meta": {"epoch": 3, "name": "x"}}
-
-
-def rewrite_metadata(path: str, change) -> None:
-    """Replace `.metadata` with `change(metadata)` pickled (the test trusts its own files)."""
-    file = os.path.join(path, ".metadata")
-    with open(file, "rb") as f:
-        metadata = pickle.load(f)
-    with open(file, "wb") as f:
-        pickle.dump(change(metadata), f)
 
 
 def move_item(path: str, fqn: str, **fields) -> None:

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from asyncckpt import AsyncCheckpointer, CheckpointConfig, load
+from conftest import step_path
 
 MiB = 1 << 20
 BASELINE_AT = 20
@@ -76,6 +77,6 @@ def test_many_saves_leak_no_memory_fds_threads_or_processes(tmp_path, io, saves)
     names = sorted(os.listdir(root))
     assert names == ["latest", f"step_{saves - 1:08d}", f"step_{saves:08d}"], names
     target = {"weights": {k: torch.zeros_like(v) for k, v in expected.items()}, "meta": {}}
-    load(target, os.path.join(root, f"step_{saves:08d}"))
+    load(target, step_path(root, saves))
     for key, tensor in expected.items():
         assert torch.equal(target["weights"][key], tensor), key

@@ -1,30 +1,30 @@
-"""A real S3-compatible HTTP server for the tests: `moto_server` as a separate process on loopback.
+"""A real S3-compatible HTTP server for tests and benchmarks: `moto_server` as a separate process
+on loopback.
 
-The session fixture `s3_server` starts it on a free port, creates the bucket with boto3, writes an
-MSC_CONFIG with one S3 profile pointing at it, and sets MSC_CONFIG / AWS_* for the rest of the
-session, so worker processes spawned by the tests inherit them; `s3://BUCKET/...` URLs reach the
-same server through msc's implicit profile (AWS_ENDPOINT_URL). Tests that need it are skipped,
-with the reason, when moto_server is not installed or does not start. moto keeps objects in its
-own memory (large ones spill to temp files): keep each test's objects to ~100 MiB.
+`MotoServer.start()` runs it on a free port; `create_bucket`, `write_msc_config` (an MSC_CONFIG with
+one S3 profile pointing at it) and `session_env` (MSC_CONFIG / AWS_* to set, so spawned worker
+processes inherit them; `s3://BUCKET/...` URLs reach the same server through msc's implicit profile
+via AWS_ENDPOINT_URL) make it usable. The tests' session fixture (tests/conftest.py) and the
+benchmark's s3 row (benchmarks/bench_save.py) both use it. moto keeps objects in its own memory
+(large ones spill to temp files): keep each test's objects to ~100 MiB.
+
+Imports only the standard library at import time: boto3, psutil and moto_server (the test extras)
+are needed only when a server is started or queried, so the package never depends on them.
 """
 
 from __future__ import annotations
 
-import importlib
 import os
 import re
 import shutil
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 import uuid
 from dataclasses import dataclass, field
 from typing import Optional
-
-import pytest
 
 BUCKET = "asyncckpt-test"
 PROFILE = "asyncckpt-test"
@@ -44,6 +44,7 @@ def moto_server_command() -> Optional[str]:
 
 
 def free_port() -> int:
+    """A loopback TCP port that was free a moment ago (the OS picks it)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -108,6 +109,7 @@ class MotoServer:
         )
 
     def pending_multipart_uploads(self, bucket: str, prefix: str = "") -> list[str]:
+        """Keys of multipart uploads started and neither completed nor aborted (listed with boto3)."""
         response = self.s3_client().list_multipart_uploads(Bucket=bucket, Prefix=prefix)
         return sorted(u["Key"] for u in response.get("Uploads", []))
 
@@ -188,6 +190,9 @@ class S3Session:
     def keys(self, prefix: str = "") -> list[str]:
         return self.server.keys(self.bucket, prefix)
 
+    def pending_multipart_uploads(self, prefix: str = "") -> list[str]:
+        return self.server.pending_multipart_uploads(self.bucket, prefix)
+
 
 def session_env(config_path: str, endpoint: str) -> dict[str, str]:
     return {
@@ -197,31 +202,3 @@ def session_env(config_path: str, endpoint: str) -> dict[str, str]:
         "AWS_ENDPOINT_URL": endpoint,
         "AWS_DEFAULT_REGION": REGION,
     }
-
-
-@pytest.fixture(scope="session")
-def s3_server():
-    """The session's moto_server, bucket and MSC_CONFIG (environment set for the session)."""
-    try:
-        importlib.import_module("boto3")
-        importlib.import_module("multistorageclient")
-    except ImportError as exc:
-        pytest.skip(f"object-store tests need multi-storage-client[boto3] and boto3: {exc}")
-    workdir = tempfile.mkdtemp(prefix="asyncckpt-s3-")
-    try:
-        server = MotoServer.start(workdir)
-    except (RuntimeError, OSError) as exc:
-        shutil.rmtree(workdir, ignore_errors=True)
-        pytest.skip(f"no local S3 server: {exc}")
-    try:
-        server.create_bucket(BUCKET)
-        config_path = os.path.join(workdir, "msc_config.yaml")
-        write_msc_config(config_path, {PROFILE: server.endpoint})
-        with pytest.MonkeyPatch.context() as mp:
-            for name, value in session_env(config_path, server.endpoint).items():
-                mp.setenv(name, value)
-            mp.delenv("AWS_PROFILE", raising=False)
-            yield S3Session(server, config_path)
-    finally:
-        server.stop()
-        shutil.rmtree(workdir, ignore_errors=True)
