@@ -17,18 +17,15 @@ from pathlib import Path
 from typing import Optional
 
 from .errors import CheckpointError
-from .formats import CHECKSUMS_FILE, Sidecar, decode_checksums, is_data_file
-from .loading import (
-    LATEST_FILE, METADATA_FILE, latest_checkpoint, list_checkpoints, parse_step, read_latest_marker, read_metadata,
-    sidecar_belongs_to,
-)
+from .formats import CHECKSUMS_FILE, is_data_file
+from .loading import LATEST_FILE, METADATA_FILE, latest_checkpoint, list_checkpoints, parse_step, read_latest_marker, read_metadata
 from .safety import TRUST_HINT
 from .storage import Storage, storage_for
+from .verify import check_items, find_sidecar, read_sidecar, sidecar_belongs_to
 
 EXIT_DAMAGED, EXIT_USAGE, EXIT_MISSING, EXIT_NOT_CHECKPOINT, EXIT_TORN, EXIT_UNREADABLE = 1, 2, 3, 4, 5, 6
 EXIT_INTERNAL = 70  # an unexpected exception (a bug): traceback on stderr
 BENCH_SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_save.py"
-_READ_CHUNK = 64 << 20
 CLI_TRUST_HINT = "pass --trusted (inspect, verify) to opt into full unpickling, only for checkpoints whose author you trust"
 
 
@@ -241,62 +238,33 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    """The library's verifier (verify.check_items), with a progress bar and one line per damaged item."""
     storage, path = _checkpoint(args.path)
     metadata = _metadata(path, args.trusted)
-    sidecar = storage.join(path, CHECKSUMS_FILE)
-    if not storage.exists(sidecar):
+    file = find_sidecar(storage, path, metadata)
+    if file is None:
         raise CliError(f"{path}: no {CHECKSUMS_FILE} (saved with checksums=False?); cannot verify", EXIT_UNREADABLE)
     try:
-        checksums = decode_checksums(storage.read_bytes(sidecar))
-    except (ValueError, KeyError, TypeError) as exc:
-        raise CliError(f"{path}: cannot read {CHECKSUMS_FILE}: {exc!r}", EXIT_UNREADABLE) from None
-    sums = {(e.fqn, e.offset): e for e in checksums.items}
-    if not sidecar_belongs_to(checksums, metadata):
-        raise CliError(f"{path}: {CHECKSUMS_FILE} belongs to another save of this step (an interrupted re-save); "
-                       "cannot verify", EXIT_UNREADABLE)
-    items = sorted((metadata.storage_data or {}).items(), key=lambda kv: (kv[1].relative_path, kv[1].offset))
-    progress = _Progress(sum(info.length for _, info in items), enabled=not args.quiet)
-    damaged, unchecked = 0, 0
-    for index, info in items:
-        offset = tuple(index.offset) if index.offset is not None else None
-        name = index.fqn if offset is None else f"{index.fqn}{list(offset)}"
-        expected = sums.get((index.fqn, offset))
-        unchecked += expected is None
-        problem = _check_item(storage, path, info, expected, checksums, name, progress)
-        if problem:
+        sidecar = read_sidecar(storage, file)
+    except CheckpointError as exc:
+        raise CliError(str(exc), EXIT_UNREADABLE) from None
+    if not sidecar_belongs_to(sidecar, metadata):
+        raise CliError(f"{file} belongs to another save of this step (an interrupted re-save); cannot verify", EXIT_UNREADABLE)
+    progress = _Progress(sum(info.length for info in (metadata.storage_data or {}).values()), enabled=not args.quiet)
+    damaged, unchecked, total = 0, 0, 0
+    for item in check_items(storage, path, metadata, sidecar, progress.advance):
+        total, unchecked = total + 1, unchecked + (not item.checked)
+        if item.problem:
             damaged += 1
             progress.clear()
-            print(f"DAMAGED {info.relative_path}: {name}: {problem}", flush=True)
+            print(f"DAMAGED {item.relative_path}: {item.name}: {item.problem}", flush=True)
     progress.finish()
     note = f" ({unchecked} without a checksum: only read back)" if unchecked else ""
     if damaged:
-        print(f"{path}: {damaged} of {len(items)} items damaged{note}")
+        print(f"{path}: {damaged} of {total} items damaged{note}")
         return EXIT_DAMAGED
-    print(f"{path}: OK, {len(items)} items, {_size(progress.done)} verified{note}")
+    print(f"{path}: OK, {total} items, {_size(progress.done)} verified{note}")
     return 0
-
-
-def _check_item(storage: Storage, path: str, info, expected, checksums: Sidecar, name: str, progress: _Progress) -> Optional[str]:
-    """Re-read one item's byte range in chunks; the problem in words, or None when intact."""
-    if expected is not None and (expected.relative_path, expected.start, expected.length) != (info.relative_path, info.offset, info.length):
-        return f"{CHECKSUMS_FILE} and {METADATA_FILE} disagree on its location"
-    file, crc, read = storage.join(path, info.relative_path), 0, 0
-    try:
-        while read < info.length:
-            data = storage.read_bytes(file, info.offset + read, min(_READ_CHUNK, info.length - read))
-            if not data:
-                break
-            crc, read = checksums.checksum(data, crc), read + len(data)
-            progress.advance(len(data), name)
-    except OSError as exc:
-        progress.advance(info.length - read, name)
-        return f"cannot read ({exc.strerror or exc})"
-    if read < info.length:
-        progress.advance(info.length - read, name)
-        return f"truncated: {read} of {info.length} bytes at offset {info.offset}"
-    if expected is not None and crc != expected.crc32:
-        return f"checksum mismatch in bytes {info.offset}..{info.offset + info.length} ({checksums.algorithm} {crc:08x}, expected {expected.crc32:08x})"
-    return None
 
 
 def cmd_bench(argv: list[str]) -> int:

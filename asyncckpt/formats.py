@@ -22,7 +22,8 @@ import torch
 
 from .storage import WriteHandle
 
-CHECKSUMS_FILE = ".checksums.json"
+CHECKSUMS_FILE = ".checksums.json"  # the sidecar of a save into a fresh step directory
+SIDECAR_NAME = re.compile(r"^\.checksums(\.[0-9a-f]{32})?\.json$")  # either kind of sidecar
 CHECKSUM_ALGORITHM = "crc32c"  # hardware CRC32C: about 9 GiB/s a core here, zlib's CRC32 2.6
 TORCH_SAVE = "torch_save"
 SAFETENSORS = "safetensors"
@@ -189,6 +190,12 @@ class Sidecar:
         return CHECKSUM_FUNCTIONS[self.algorithm](data, value)
 
 
+def sidecar_file(save_id: Optional[str]) -> str:
+    """The sidecar name of a save that replaces a committed checkpoint of its step: tied to the
+    save, so the committed checkpoint's own sidecar stays in place until the new `.metadata` is."""
+    return CHECKSUMS_FILE if save_id is None else f".checksums.{save_id}.json"
+
+
 def encode_checksums(entries: list[ItemChecksum], save_id: str) -> bytes:
     records = [
         {
@@ -205,21 +212,35 @@ def encode_checksums(entries: list[ItemChecksum], save_id: str) -> bytes:
 
 
 def decode_checksums(data: bytes) -> Sidecar:
-    doc = json.loads(data)
+    """Parse a sidecar; ValueError, saying what is wrong, for anything that is not one."""
+    try:
+        doc = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ValueError(f"not JSON: {exc}") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("items"), list):
+        raise ValueError("not a checksums document (no list of items)")
     if doc.get("algorithm") not in CHECKSUM_FUNCTIONS:
         raise ValueError(f"unknown checksum algorithm {doc.get('algorithm')!r}")
-    items = [
-        ItemChecksum(
-            fqn=r["fqn"],
-            offset=tuple(r["offset"]) if r["offset"] is not None else None,
-            relative_path=r["file"],
-            start=int(r["start"]),
-            length=int(r["length"]),
-            crc32=int(r["crc32"]),
-        )
-        for r in doc["items"]
-    ]
-    return Sidecar(doc["algorithm"], doc.get("save_id"), items)
+    save_id = doc.get("save_id")
+    if save_id is not None and not isinstance(save_id, str):
+        raise ValueError(f"save_id is {type(save_id).__name__}, not a string")
+    return Sidecar(doc["algorithm"], save_id, [_decode_item(n, r) for n, r in enumerate(doc["items"])])
+
+
+def _decode_item(n: int, record) -> ItemChecksum:
+    try:
+        fqn, offset, file = record["fqn"], record["offset"], record["file"]
+        numbers = [record[key] for key in ("start", "length", "crc32")]
+    except (KeyError, TypeError) as exc:
+        raise ValueError(f"item {n}: missing field {exc}") from None
+    ok = isinstance(fqn, str) and isinstance(file, str) and all(_is_int(x) for x in numbers)
+    if not ok or not (offset is None or (isinstance(offset, list) and all(_is_int(x) for x in offset))):
+        raise ValueError(f"item {n}: a field has the wrong type ({record!r:.200})")
+    return ItemChecksum(fqn, tuple(offset) if offset is not None else None, file, *numbers)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 # safetensors ------------------------------------------------------------------------------------

@@ -26,9 +26,10 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from .errors import CheckpointError
-from .formats import CHECKSUMS_FILE, Sidecar, decode_checksums, is_data_file, is_safetensors_file
+from .formats import SIDECAR_NAME, Sidecar, is_data_file, is_safetensors_file
 from .safety import TRUST_HINT, check_range, check_relative_path, load_metadata, load_object, load_tensor, raw_tensor
 from .storage import Storage, storage_for
+from .verify import check_items, find_sidecar, read_sidecar, sidecar_belongs_to, stale_sidecars
 
 log = logging.getLogger(__name__)
 
@@ -36,12 +37,14 @@ METADATA_FILE = ".metadata"
 LATEST_FILE = "latest"
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
 # write_atomic's temp files (stock DCP: .metadata.tmp) and prepare_dir's probes
-_TEMP_FILE = re.compile(r"^\.(\.metadata|\.checksums\.json|latest)\.tmp-[A-Za-z0-9-]+$|^\.metadata\.tmp$|^\.asyncckpt-probe-[\w-]+$")
+_TEMP_FILE = re.compile(
+    r"^\.(\.metadata|\.checksums(\.[0-9a-f]{32})?\.json|latest)\.tmp-[A-Za-z0-9-]+$|^\.metadata\.tmp$|^\.asyncckpt-probe-[\w-]+$"
+)
 
 
 def is_checkpoint_file(name: str) -> bool:
     """Whether a file of this name is one a save writes into a checkpoint directory."""
-    return name in (METADATA_FILE, CHECKSUMS_FILE) or is_data_file(name) or bool(_TEMP_FILE.match(name))
+    return name == METADATA_FILE or bool(SIDECAR_NAME.match(name)) or is_data_file(name) or bool(_TEMP_FILE.match(name))
 
 
 def step_dir_name(step: int) -> str:
@@ -221,13 +224,10 @@ class SafeReader(StorageReader):
     def _load_checksums(self) -> dict[tuple[str, int, int], int]:
         """(file, offset, length) -> checksum from the sidecar, so every item is checked as it is
         read (no second pass over the data). Checkpoints without a sidecar load unchecked."""
-        path = self.storage.join(self.path, CHECKSUMS_FILE)
-        if not self.storage.exists(path):
+        path = find_sidecar(self.storage, self.path, self.metadata)
+        if path is None:
             return {}
-        try:
-            sidecar = decode_checksums(self.storage.read_bytes(path))
-        except (ValueError, KeyError, TypeError) as exc:
-            raise CheckpointError(f"{path}: unreadable checksums ({exc})") from exc
+        sidecar = read_sidecar(self.storage, path)
         if not sidecar_belongs_to(sidecar, self.metadata):
             log.warning("%s belongs to another save of this step (an interrupted re-save); loading unchecked", path)
             return {}
@@ -295,47 +295,39 @@ class SafeReader(StorageReader):
         raise CheckpointError(f"{self.path}: no chunk in {METADATA_FILE} for {req.storage_index}")
 
 
-def sidecar_belongs_to(sidecar: Sidecar, metadata: Metadata) -> bool:
-    """Whether a checksums sidecar was written with this `.metadata` (older sidecars name no save)."""
-    theirs = metadata.storage_meta.save_id if metadata.storage_meta is not None else None
-    return sidecar.save_id is None or theirs is None or sidecar.save_id == theirs
-
-
 def verify_checkpoint(path: str, trusted: bool = False) -> list[str]:
-    """Re-read every item with a checksum; return one line per damaged item (empty: intact).
-    `trusted` as for `load`: the `.metadata` it checks the sidecar against is unpickled fully."""
+    """Re-read every item and check its checksum; return one line per damaged item (empty: intact),
+    or one line saying why it cannot be verified. A damaged `.metadata` or sidecar raises
+    CheckpointError naming the file. `trusted` as for `load` (how `.metadata` is unpickled)."""
     storage = storage_for(path)
-    sidecar = storage.join(path, CHECKSUMS_FILE)
-    if not storage.exists(sidecar):
-        return [f"{path}: no {CHECKSUMS_FILE} (saved with checksums=False?)"]
-    checksums = decode_checksums(storage.read_bytes(sidecar))
-    if not sidecar_belongs_to(checksums, read_metadata(path, trusted=trusted)):
-        return [f"{path}: {CHECKSUMS_FILE} belongs to another save of this step (an interrupted re-save); cannot verify"]
-    problems = []
-    for entry in checksums.items:
-        file = check_relative_path(storage, path, entry.relative_path)
-        data = storage.read_bytes(file, entry.start, entry.length)
-        name = entry.fqn if entry.offset is None else f"{entry.fqn}{list(entry.offset)}"
-        if len(data) != entry.length:
-            problems.append(f"{entry.relative_path}: {name} is truncated")
-        elif checksums.checksum(data) != entry.crc32:
-            problems.append(f"{entry.relative_path}: {name} checksum mismatch")
-    return problems
+    if not storage.exists(storage.join(path, METADATA_FILE)):
+        raise CheckpointError(f"{path!r} is not a committed checkpoint (no {METADATA_FILE})")
+    metadata = read_metadata(path, trusted=trusted)
+    file = find_sidecar(storage, path, metadata)
+    if file is None:
+        return [f"{path}: no checksums sidecar (saved with checksums=False?)"]
+    sidecar = read_sidecar(storage, file)
+    if not sidecar_belongs_to(sidecar, metadata):
+        return [f"{file} belongs to another save of this step (an interrupted re-save); cannot verify"]
+    return [f"{c.relative_path}: {c.name}: {c.problem}" for c in check_items(storage, path, metadata, sidecar) if c.problem]
 
 
-def _unreferenced_data_files(path: str, names: list[str]) -> list[str]:
+def unreferenced_files(path: str, names: list[str]) -> list[str]:
+    """Data files and sidecars of other saves of this step beside a committed checkpoint: what
+    its `.metadata` does not use (nothing, if that cannot be read safely)."""
     try:
-        used = {info.relative_path for info in (read_metadata(path).storage_data or {}).values()}
+        metadata = read_metadata(path)
     except Exception as exc:  # refused or damaged: not ours to judge
-        log.warning("cleanup: leaving %s alone: its %s cannot be read safely (%s)", path, METADATA_FILE, exc)
+        log.warning("leaving %s alone: its %s cannot be read safely (%s)", path, METADATA_FILE, exc)
         return []
-    return [n for n in names if is_data_file(n) and n not in used]
+    used = {info.relative_path for info in (metadata.storage_data or {}).values()}
+    return [n for n in names if is_data_file(n) and n not in used] + stale_sidecars(storage_for(path), path, names, metadata)
 
 
 def cleanup(root: str, dry_run: bool = False) -> list[str]:
     """Remove what interrupted saves left in `root`: step directories without `.metadata`, stray
-    temp files of atomic writes, and data files a committed checkpoint's `.metadata` does not name
-    (an interrupted re-save of that step). Returns the paths removed (with `dry_run`, that would be).
+    temp files of atomic writes, and data files and checksum sidecars a committed checkpoint's
+    `.metadata` does not name (an interrupted re-save of that step). Returns the paths removed (with `dry_run`, that would be).
 
     Only what is recognisably ours goes: a torn directory holding anything but data files and
     temp files (a subdirectory, a file of another name) is kept and logged; symlinks are never
@@ -347,9 +339,9 @@ def cleanup(root: str, dry_run: bool = False) -> list[str]:
         names = storage.list_dir(info.path)
         if info.committed:
             leftovers += [storage.join(info.path, n) for n in names if _TEMP_FILE.match(n)]
-            leftovers += [storage.join(info.path, n) for n in _unreferenced_data_files(info.path, names)]
+            leftovers += [storage.join(info.path, n) for n in unreferenced_files(info.path, names)]
             continue
-        foreign = [n for n in names if not (is_data_file(n) or _TEMP_FILE.match(n) or n == CHECKSUMS_FILE)
+        foreign = [n for n in names if not (is_data_file(n) or _TEMP_FILE.match(n) or SIDECAR_NAME.match(n))
                    or storage.is_dir(storage.join(info.path, n))]
         if foreign:
             log.warning("cleanup: keeping %s: it holds %s, which a save does not write", info.path, ", ".join(foreign[:3]))

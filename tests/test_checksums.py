@@ -168,3 +168,50 @@ def test_resave_without_checksums_leaves_no_stale_sidecar(ckpt_root):
     target = zeros_like_state(state)
     load(target, path)
     assert_state_equal(target, state)
+
+
+def _damage(how: str, raw: bytes) -> bytes:
+    doc = json.loads(raw)
+    if how == "truncated JSON":
+        return raw[: len(raw) // 2]
+    if how == "not UTF-8":
+        return b"\xff\xfe" + raw
+    if how == "not an object":
+        return b"[1, 2, 3]"
+    if how == "no items":
+        del doc["items"]
+    elif how == "an item without its checksum":
+        del doc["items"][0]["crc32"]
+    elif how == "a length that is a string":
+        doc["items"][0]["length"] = "many"
+    elif how == "offsets that are a number":
+        doc["items"][0]["offset"] = 5
+    elif how == "an item that is a list":
+        doc["items"][0] = [1, 2]
+    return json.dumps(doc).encode()
+
+
+DAMAGES = ["truncated JSON", "not UTF-8", "not an object", "no items", "an item without its checksum",
+           "a length that is a string", "offsets that are a number", "an item that is a list"]
+
+
+@pytest.mark.parametrize("how", DAMAGES)
+def test_a_damaged_sidecar_is_a_checkpoint_error_naming_it(tmp_path, capsys, how):
+    """verify_checkpoint, load (with or without verify) and the CLI's verify all refuse it by name."""
+    from asyncckpt import cli
+
+    path, expected = saved_checkpoint(str(tmp_path / "ckpt"))
+    sidecar = os.path.join(path, ".checksums.json")
+    with open(sidecar, "rb") as f:
+        raw = f.read()
+    with open(sidecar, "wb") as f:
+        f.write(_damage(how, raw))
+    with pytest.raises(CheckpointError, match=r"\.checksums\.json"):
+        verify_checkpoint(path)
+    for verify in (True, False):
+        with pytest.raises(CheckpointError, match=r"\.checksums\.json"):
+            load(zeros_like_state(expected), path, verify=verify)
+    capsys.readouterr()
+    assert cli.main(["verify", "-q", path]) == cli.EXIT_UNREADABLE
+    out, err = capsys.readouterr()
+    assert ".checksums.json" in err and "error" in err, (out, err)

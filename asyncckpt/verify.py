@@ -1,0 +1,122 @@
+"""Checking a checkpoint's bytes against its checksums: which sidecar belongs to a `.metadata`,
+reading it as untrusted input, and the one item verifier that `verify_checkpoint`,
+`load(verify=True)` and `python -m asyncckpt verify` share.
+
+A save into a fresh step directory writes `.checksums.json`; a save replacing a committed
+checkpoint of its step writes `.checksums.<save_id>.json`, so the committed checkpoint keeps its
+own sidecar until the new `.metadata` replaces it. `.metadata` records the save id, which names
+the sidecar to use; sidecars of other saves are ignored here and removed after the commit.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Callable, Iterator, Optional
+
+from torch.distributed.checkpoint.metadata import Metadata
+
+from .errors import CheckpointError
+from .formats import CHECKSUMS_FILE, SIDECAR_NAME, Sidecar, decode_checksums, sidecar_file
+from .storage import Storage
+
+_SAVE_ID = re.compile(r"^[0-9a-f]{32}$")
+READ_CHUNK = 64 << 20
+
+
+def committed_save_id(metadata: Metadata) -> Optional[str]:
+    """The save id a `.metadata` records (None for checkpoints written before it was recorded,
+    or one that is not a save id of ours: it is never used to build a path then)."""
+    meta = getattr(metadata, "storage_meta", None)
+    save_id = getattr(meta, "save_id", None)
+    return save_id if isinstance(save_id, str) and _SAVE_ID.match(save_id) else None
+
+
+def sidecar_belongs_to(sidecar: Sidecar, metadata: Metadata) -> bool:
+    """Whether a checksums sidecar was written with this `.metadata` (older sidecars name no save)."""
+    theirs = committed_save_id(metadata)
+    return sidecar.save_id is None or theirs is None or sidecar.save_id == theirs
+
+
+def find_sidecar(storage: Storage, path: str, metadata: Metadata) -> Optional[str]:
+    """The sidecar file of the save `metadata` records, or None when the checkpoint has none."""
+    save_id = committed_save_id(metadata)
+    for name in ([sidecar_file(save_id)] if save_id else []) + [CHECKSUMS_FILE]:
+        if storage.exists(storage.join(path, name)):
+            return storage.join(path, name)
+    return None
+
+
+def stale_sidecars(storage: Storage, path: str, names: list[str], metadata: Metadata) -> list[str]:
+    """Sidecars among `names` (the listing of checkpoint `path`) that belong to other saves than
+    the one `metadata` records (a damaged one it cannot judge is left alone)."""
+    own = find_sidecar(storage, path, metadata)
+    stale = [n for n in names if SIDECAR_NAME.match(n) and storage.join(path, n) != own]
+    if own is not None and own.endswith(CHECKSUMS_FILE):
+        try:
+            if not sidecar_belongs_to(decode_checksums(storage.read_bytes(own)), metadata):
+                stale.append(CHECKSUMS_FILE)
+        except (OSError, ValueError):
+            pass
+    return stale
+
+
+def read_sidecar(storage: Storage, file: str) -> Sidecar:
+    """A sidecar parsed; CheckpointError naming the file if it is damaged or unreadable."""
+    try:
+        return decode_checksums(storage.read_bytes(file))
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{file}: damaged or unreadable checksums sidecar: {exc}") from None
+
+
+@dataclass(frozen=True)
+class ItemCheck:
+    """One item re-read: where it is, whether a checksum covered it, and what is wrong (None: intact)."""
+
+    relative_path: str
+    name: str  # the fqn, with the chunk's offsets for a shard
+    checked: bool
+    problem: Optional[str]
+
+
+def check_items(
+    storage: Storage, path: str, metadata: Metadata, sidecar: Sidecar,
+    progress: Optional[Callable[[int, str], None]] = None,
+) -> Iterator[ItemCheck]:
+    """Re-read every item `metadata` names, in file order and in chunks, and compare its checksum
+    from `sidecar` (items without one are only read back). `progress(nbytes, name)` is told of
+    every chunk. `metadata`'s paths must have been checked (loading.read_metadata does)."""
+    sums = {(e.fqn, e.offset): e for e in sidecar.items}
+    items = sorted((metadata.storage_data or {}).items(), key=lambda kv: (kv[1].relative_path, kv[1].offset))
+    for index, info in items:
+        offset = tuple(index.offset) if index.offset is not None else None
+        name = index.fqn if offset is None else f"{index.fqn}{list(offset)}"
+        expected = sums.get((index.fqn, offset))
+        problem = _check_item(storage, path, info, expected, sidecar, lambda n: progress and progress(n, name))
+        yield ItemCheck(info.relative_path, name, expected is not None, problem)
+
+
+def _check_item(storage: Storage, path: str, info, expected, sidecar: Sidecar, advance) -> Optional[str]:
+    if expected is not None and (expected.relative_path, expected.start, expected.length) != (
+        info.relative_path, info.offset, info.length
+    ):
+        advance(info.length)
+        return f"{CHECKSUMS_FILE} and .metadata disagree on its location"
+    file, crc, read = storage.join(path, info.relative_path), 0, 0
+    try:
+        while read < info.length:
+            data = storage.read_bytes(file, info.offset + read, min(READ_CHUNK, info.length - read))
+            if not data:
+                break
+            crc, read = sidecar.checksum(data, crc), read + len(data)
+            advance(len(data))
+    except OSError as exc:
+        advance(info.length - read)
+        return f"cannot read ({exc.strerror or exc})"
+    if read < info.length:
+        advance(info.length - read)
+        return f"truncated: {read} of {info.length} bytes at offset {info.offset}"
+    if expected is not None and crc != expected.crc32:
+        return (f"checksum mismatch in bytes {info.offset}..{info.offset + info.length} "
+                f"({sidecar.algorithm} {crc:08x}, expected {expected.crc32:08x})")
+    return None
