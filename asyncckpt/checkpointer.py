@@ -7,17 +7,16 @@ first finishes the previous, which keeps commits in order and lets one staging p
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
 import time
-import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
+from . import at_exit
 from .client import WorkerClient
 from .commit import RankOutcome, SaveTarget, discard_uncommitted, finish_save
 from .config import CheckpointConfig, eager_staging_threads
@@ -46,9 +45,6 @@ class _WorkerHolds:
     structure_key: str
     fingerprints: list
     tensors: list
-
-
-_live: "weakref.WeakSet[AsyncCheckpointer]" = weakref.WeakSet()
 
 
 class AsyncCheckpointer:
@@ -87,7 +83,7 @@ class AsyncCheckpointer:
         self._next_save_id = 0
         self._closed = False
         self._warned_copies = False
-        _live.add(self)
+        at_exit.track(self)
         self._start_worker()  # spawn now, so the first save does not pay for the interpreter start
 
     # public API ------------------------------------------------------------------------------
@@ -234,7 +230,7 @@ class AsyncCheckpointer:
             return self.finalize(blocking=True)
         finally:
             self._closed = True
-            _live.discard(self)
+            at_exit.forget(self)
             if self._client is not None:
                 self._client.stop()
                 self._client = None
@@ -420,13 +416,3 @@ def _is_dir_or_unknown(storage, path: str) -> bool:
         return storage.is_dir(path)
     except OSError:
         return True
-
-
-@atexit.register
-def _close_all() -> None:
-    """A script that exits without close(): commit what is in flight (bounded), stop the workers."""
-    for checkpointer in list(_live):
-        try:
-            checkpointer.close()
-        except Exception as exc:
-            log.error("closing checkpointer for %s at exit: %s", checkpointer.root, exc)
