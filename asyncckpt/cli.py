@@ -245,7 +245,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if file is None:
         raise CliError(f"{path}: no {CHECKSUMS_FILE} (saved with checksums=False?); cannot verify", EXIT_UNREADABLE)
     try:
-        sidecar = read_sidecar(storage, file)
+        sidecar = read_sidecar(storage, path, file)
     except CheckpointError as exc:
         raise CliError(str(exc), EXIT_UNREADABLE) from None
     if not sidecar_belongs_to(sidecar, metadata):

@@ -227,7 +227,7 @@ class SafeReader(StorageReader):
         path = find_sidecar(self.storage, self.path, self.metadata)
         if path is None:
             return {}
-        sidecar = read_sidecar(self.storage, path)
+        sidecar = read_sidecar(self.storage, self.path, path)
         if not sidecar_belongs_to(sidecar, self.metadata):
             log.warning("%s belongs to another save of this step (an interrupted re-save); loading unchecked", path)
             return {}
@@ -306,7 +306,7 @@ def verify_checkpoint(path: str, trusted: bool = False) -> list[str]:
     file = find_sidecar(storage, path, metadata)
     if file is None:
         return [f"{path}: no checksums sidecar (saved with checksums=False?)"]
-    sidecar = read_sidecar(storage, file)
+    sidecar = read_sidecar(storage, path, file)
     if not sidecar_belongs_to(sidecar, metadata):
         return [f"{file} belongs to another save of this step (an interrupted re-save); cannot verify"]
     return [f"{c.relative_path}: {c.name}: {c.problem}" for c in check_items(storage, path, metadata, sidecar) if c.problem]

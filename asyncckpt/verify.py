@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from .errors import CheckpointError
 from .formats import CHECKSUMS_FILE, SIDECAR_NAME, Sidecar, decode_checksums, sidecar_file
+from .safety import check_relative_path
 from .storage import Storage
 
 _SAVE_ID = re.compile(r"^[0-9a-f]{32}$")
@@ -61,12 +62,19 @@ def stale_sidecars(storage: Storage, path: str, names: list[str], metadata: Meta
     return stale
 
 
-def read_sidecar(storage: Storage, file: str) -> Sidecar:
-    """A sidecar parsed; CheckpointError naming the file if it is damaged or unreadable."""
+def read_sidecar(storage: Storage, path: str, file: str) -> Sidecar:
+    """The sidecar `file` of checkpoint `path`, parsed; CheckpointError naming the file if it is
+    damaged or unreadable, or names a file outside the checkpoint."""
     try:
-        return decode_checksums(storage.read_bytes(file))
+        sidecar = decode_checksums(storage.read_bytes(file))
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{file}: damaged or unreadable checksums sidecar: {exc}") from None
+    for relative_path in {e.relative_path for e in sidecar.items}:
+        try:
+            check_relative_path(storage, path, relative_path)
+        except CheckpointError as exc:
+            raise CheckpointError(f"{file}: {exc}") from None
+    return sidecar
 
 
 @dataclass(frozen=True)
