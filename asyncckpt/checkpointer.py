@@ -27,6 +27,7 @@ from .planning import Planning
 from .ranks import RankGroup, finalize_bound_s
 from .inflight import InFlightSave
 from .report import SaveReport, publish
+from .retention import Janitor
 from .protocol import SaveFailed, SaveRequest, Staged, WorkerSettings, WriteDone, WriteOptions
 from .snapshot import Snapshot, copies_warning, take_snapshot
 from .storage import storage_for
@@ -83,6 +84,7 @@ class AsyncCheckpointer:
         self._next_save_id = 0
         self._closed = False
         self._warned_copies = False
+        self._janitor = Janitor()  # retention, after each commit's verdict
         at_exit.track(self)
         self._start_worker()  # spawn now, so the first save does not pay for the interpreter start
 
@@ -121,8 +123,9 @@ class AsyncCheckpointer:
         try:
             if storage.is_symlink(step_dir):
                 raise CheckpointError(f"{step_dir!r} is a symlink; refusing to write a checkpoint through it")
+            self._janitor.claim(step_dir, self.config.timeout_s)  # retention stays out of it
             created = name is None and not _is_dir_or_unknown(storage, step_dir)
-            storage.prepare_dir(step_dir)  # proves the target writable before anything else
+            storage.prepare_dir(step_dir, self.config.fsync)  # proves it writable first; its entry durable
             overwrite = self._group.is_coordinator and storage.exists(storage.join(step_dir, METADATA_FILE))
             local = self._planning.local(state_dict, self._group.is_coordinator)
         except OSError as exc:
@@ -223,7 +226,8 @@ class AsyncCheckpointer:
         return self._planning.counters
 
     def close(self) -> list[SaveReport]:
-        """Wait for the in-flight save, commit it, and stop the worker. Idempotent."""
+        """Wait for the in-flight save, commit it, wait (at most timeout_s) for retention to end,
+        and stop the worker. Idempotent."""
         if self._closed:
             return []
         try:
@@ -231,6 +235,7 @@ class AsyncCheckpointer:
         finally:
             self._closed = True
             at_exit.forget(self)
+            self._janitor.close(self.config.timeout_s)
             if self._client is not None:
                 self._client.stop()
                 self._client = None
@@ -289,7 +294,9 @@ class AsyncCheckpointer:
             self.root, flight.step, flight.name, flight.step_dir, flight.metadata, flight.file_tag, flight.owns_dir
         )
         storage = storage_for(flight.step_dir)
-        verdict = finish_save(self._group, storage, target, flight.outcome, self.config.fsync, self.config.keep_last)
+        verdict = finish_save(
+            self._group, storage, target, flight.outcome, self.config.fsync, self.config.keep_last, self._janitor
+        )
         self._in_flight = None
         if not verdict.committed:
             raise CheckpointError(f"{flight.label} not committed: {verdict.error}")

@@ -2,13 +2,17 @@
 
 Order matters and is the whole guarantee: data files are fsynced by the writers; here the
 checksums sidecar is published, the directory synced, then `.metadata` is published atomically
-(that is the commit), then `latest` moves, then retention runs.
+(that is the commit), the root synced, then `latest` moves. What the commit made obsolete (files
+of a replaced save, checkpoints beyond keep_last) is removed afterwards, off the collective path
+(retention.py). The verdict says what is on disk: once `.metadata` is in place the save is
+committed, even if making it durable then failed (logged as an ERROR).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import pickle
 import time
 import uuid
@@ -18,11 +22,12 @@ from typing import Optional
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-from .formats import CHECKSUMS_FILE, ItemChecksum, encode_checksums, is_data_file
-from .loading import LATEST_FILE, METADATA_FILE, list_checkpoints, read_latest_marker, read_metadata
+from .formats import SIDECAR_NAME, ItemChecksum, encode_checksums, is_data_file, sidecar_file
+from .loading import LATEST_FILE, METADATA_FILE, read_metadata
 from .errors import CheckpointError
 from .protocol import ItemWritten, WriteDone
 from .ranks import RankGroup
+from .retention import Janitor, Tidy
 from .storage import Storage
 
 log = logging.getLogger(__name__)
@@ -60,46 +65,54 @@ class SaveTarget:
     owns_dir: bool = True  # the save created the directory: a failed save removes it whole
 
 
+@dataclass(frozen=True)
+class Decision:
+    """The coordinator's verdict and what to tidy once every rank has it."""
+
+    verdict: Verdict
+    tidy: Optional[Tidy] = None
+
+
 def finish_save(
-    group: RankGroup, storage: Storage, target: SaveTarget, outcome: RankOutcome, fsync: bool, keep_last: Optional[int]
+    group: RankGroup, storage: Storage, target: SaveTarget, outcome: RankOutcome, fsync: bool,
+    keep_last: Optional[int], janitor: Janitor,
 ) -> Verdict:
     """Collective: gather every rank's outcome; the coordinator commits if all succeeded, else
-    removes the uncommitted directory; every rank gets the same verdict."""
+    removes the uncommitted directory; every rank gets the same verdict. Retention and removal of
+    replaced files are handed to `janitor` after the broadcast."""
     outcomes = group.gather(outcome)
-    verdict = None
+    decision = None
     if group.is_coordinator:
-        verdict = _decide(storage, target, outcomes, fsync, keep_last)
-    return group.broadcast(verdict)
+        decision = _decide(storage, target, outcomes, fsync, keep_last)
+    verdict = group.broadcast(decision.verdict if decision is not None else None)
+    janitor.finished(decision.tidy if decision is not None else None)
+    return verdict
 
 
-def _decide(storage: Storage, target: SaveTarget, outcomes: list[RankOutcome], fsync: bool, keep_last) -> Verdict:
+def _decide(storage: Storage, target: SaveTarget, outcomes: list[RankOutcome], fsync: bool, keep_last) -> Decision:
     failures = [o for o in outcomes if o.error is not None]
     what = f"step {target.step}" if target.name is not None else target.step_dir
     if failures:
         discard_uncommitted(storage, target.step_dir, target.file_tag, target.owns_dir)
-        return Verdict(False, "; ".join(f"rank {o.rank}: {o.error}" for o in failures))
+        return Decision(Verdict(False, "; ".join(f"rank {o.rank}: {o.error}" for o in failures)))
     started = time.perf_counter()
     written = [item for o in outcomes for item in o.written.items]
     try:
-        commit_checkpoint(storage, target.step_dir, target.metadata, written, fsync)
+        commit_checkpoint(storage, target, written, fsync)
     except Exception as exc:  # any failure here must reach every rank through the verdict
         discard_uncommitted(storage, target.step_dir, target.file_tag, target.owns_dir)
-        return Verdict(False, f"{what}: commit failed in {target.step_dir}: {exc!r}")
+        return Decision(Verdict(False, f"{what}: commit failed in {target.step_dir}: {exc!r}"))
     if target.name is not None:
         try:
             move_latest(storage, target.root, target.name, fsync)
         except Exception as exc:
             log.error("%s is committed but `latest` could not be moved to it (it still names an older one): %r",
                       target.step_dir, exc)
-    try:
-        if target.file_tag:
-            remove_replaced_files(storage, target.step_dir, written)
-        if target.name is not None:
-            apply_retention(storage, target.root, keep_last)
-    except Exception as exc:
-        log.warning("after committing %s: removing replaced files / retention failed: %r", target.step_dir, exc)
     total = sum(o.written.bytes_written for o in outcomes)
-    return Verdict(True, None, total, time.perf_counter() - started)
+    retention = keep_last if target.name is not None else None
+    tidy = Tidy(target.root, target.step_dir, bool(target.file_tag), retention)
+    needed = tidy.replaced or retention is not None
+    return Decision(Verdict(True, None, total, time.perf_counter() - started), tidy if needed else None)
 
 
 def discard_uncommitted(storage: Storage, step_dir: str, file_tag: str = "", owns_dir: bool = True) -> None:
@@ -114,7 +127,7 @@ def discard_uncommitted(storage: Storage, step_dir: str, file_tag: str = "", own
                 storage.remove_tree(step_dir)
                 return
             for name in storage.list_dir(step_dir):
-                if is_data_file(name) or name == CHECKSUMS_FILE:
+                if is_data_file(name) or SIDECAR_NAME.match(name):
                     storage.remove_file(storage.join(step_dir, name))
             storage.remove_empty_dir(step_dir)
         elif file_tag:  # the committed checkpoint stays; so do files its .metadata names (ours, if
@@ -130,22 +143,18 @@ def _referenced_files(step_dir: str) -> set[str]:
     return {info.relative_path for info in (read_metadata(step_dir).storage_data or {}).values()}
 
 
-def remove_replaced_files(storage: Storage, step_dir: str, written: list[ItemWritten]) -> None:
-    """After a save replaced a committed checkpoint: delete the data files of the old one."""
-    current = {w.relative_path for w in written}
-    for name in storage.list_dir(step_dir):
-        if is_data_file(name) and name not in current:
-            storage.remove_file(storage.join(step_dir, name))
+def commit_checkpoint(storage: Storage, target: SaveTarget, written: list[ItemWritten], fsync: bool) -> None:
+    """Write the sidecar and `.metadata` for a save whose data files are all durable. Returns once
+    `.metadata` is in place (the save is committed); raises only when it is not.
 
-
-def commit_checkpoint(
-    storage: Storage, step_dir: str, metadata: Metadata, written: list[ItemWritten], fsync: bool
-) -> None:
-    """Write the sidecar and `.metadata` for a save whose data files are all durable."""
+    A save replacing a committed checkpoint writes its sidecar under its own name
+    (`.checksums.<save_id>.json`), so the committed checkpoint keeps a matching sidecar until
+    the new `.metadata` replaces the old one."""
+    step_dir = target.step_dir
     storage_data = {w.index: _StorageInfo(w.relative_path, w.offset, w.length) for w in written}
     save_id = uuid.uuid4().hex
     final = dataclasses.replace(
-        metadata,
+        target.metadata,
         storage_data=storage_data,
         storage_meta=StorageMeta(checkpoint_id=step_dir, save_id=save_id),
         version=DCP_VERSION,
@@ -162,36 +171,46 @@ def commit_checkpoint(
         for w in written
         if w.crc32 is not None
     ]
-    sidecar = storage.join(step_dir, CHECKSUMS_FILE)
+    sidecar = storage.join(step_dir, sidecar_file(save_id if target.file_tag else None))
     if checksums:
         storage.write_atomic(sidecar, encode_checksums(checksums, save_id), fsync=fsync)
-    elif storage.exists(sidecar):  # a re-save without checksums: the old ones describe other files
+    elif not target.file_tag:  # nothing is committed here: a leftover sidecar would describe other files
         storage.remove_file(sidecar)
+    metadata_path, payload = storage.join(step_dir, METADATA_FILE), pickle.dumps(final)
+    try:
+        if fsync:
+            storage.sync_dir(step_dir)  # every data file's entry is durable before the commit
+        storage.write_atomic(metadata_path, payload, fsync=fsync)
+    except Exception as exc:
+        if not _holds(storage, metadata_path, payload):
+            if target.file_tag:  # our sidecar beside the checkpoint that stays committed
+                _remove_quietly(storage, sidecar)
+            raise
+        log.error("%s: %s is in place, so the save is committed, but making it durable failed: %r; "
+                  "it may not survive a power loss", step_dir, METADATA_FILE, exc)
     if fsync:
-        storage.sync_dir(step_dir)  # every data file's entry is durable before the commit
-    storage.write_atomic(storage.join(step_dir, METADATA_FILE), pickle.dumps(final), fsync=fsync)
+        parent = os.path.dirname(step_dir.rstrip("/")) or "."  # the root, for ROOT/step_N
+        try:
+            storage.sync_dir(parent)  # the checkpoint directory's own entry
+        except OSError as exc:
+            log.error("%s is committed, but syncing %s failed: %r; it may not survive a power loss",
+                      step_dir, parent, exc)
+
+
+def _holds(storage: Storage, path: str, payload: bytes) -> bool:
+    """Whether the file at `path` is exactly `payload` (each save's `.metadata` is unique: save_id)."""
+    try:
+        return storage.exists(path) and storage.read_bytes(path) == payload
+    except OSError:
+        return False
+
+
+def _remove_quietly(storage: Storage, path: str) -> None:
+    try:
+        storage.remove_file(path)
+    except OSError as exc:
+        log.warning("could not remove %s: %r", path, exc)
 
 
 def move_latest(storage: Storage, root: str, step_dir_name: str, fsync: bool) -> None:
     storage.write_atomic(storage.join(root, LATEST_FILE), f"{step_dir_name}\n".encode(), fsync=fsync)
-
-
-def apply_retention(storage: Storage, root: str, keep_last: int | None) -> list[str]:
-    """Delete committed checkpoints beyond the newest `keep_last`. Uncommitted (in-flight or torn)
-    directories are never touched here, nor is the one `latest` names. Returns deleted names."""
-    if keep_last is None:
-        return []
-    committed = [c for c in list_checkpoints(root, storage) if c.committed]
-    protected = read_latest_marker(root, storage)
-    deleted = []
-    for info in committed[: max(len(committed) - keep_last, 0)]:
-        if info.name == protected or not storage.is_dir(info.path):  # re-checked: never through a symlink
-            continue
-        # un-commit first, so a crash mid-delete leaves a torn directory, never a broken checkpoint
-        storage.remove_file(storage.join(info.path, METADATA_FILE))
-        storage.remove_tree(info.path)
-        deleted.append(info.name)
-    if deleted:
-        log.debug("retention removed %s", ", ".join(deleted))
-    return deleted
-

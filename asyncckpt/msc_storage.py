@@ -131,7 +131,7 @@ class MscStorage(Storage):
         pieces = [str(head).rstrip("/")] + [str(p).strip("/") for p in rest if str(p).strip("/")]
         return "/".join(pieces)
 
-    def prepare_dir(self, path: str) -> None:
+    def prepare_dir(self, path: str, fsync: bool = True) -> None:
         """Nothing to create; prove the store takes writes there by writing and deleting a probe
         key. A prefix under one proven in the last PROBE_TTL_S is not probed again (a save
         prepares its root and its step prefix; a later failure still surfaces from the writes)."""

@@ -50,8 +50,10 @@ class Storage(ABC):
         """Join path parts the way this backend spells paths."""
 
     @abstractmethod
-    def prepare_dir(self, path: str) -> None:
+    def prepare_dir(self, path: str, fsync: bool = True) -> None:
         """Create `path` (and parents) and prove it can be written; CheckpointError if not.
+        With `fsync`, the entries of the directories it created are made durable (a checkpoint
+        committed in a directory must not vanish with the entry after a power loss).
         Called before any work of a save is handed off."""
 
     @abstractmethod
@@ -155,9 +157,16 @@ class LocalStorage(Storage):
     def join(self, *parts: str) -> str:
         return os.path.join(*parts)
 
-    def prepare_dir(self, path: str) -> None:
+    def prepare_dir(self, path: str, fsync: bool = True) -> None:
         try:
+            created = []
+            missing = os.path.abspath(path)
+            while not os.path.lexists(missing):
+                created.append(missing)
+                missing = os.path.dirname(missing)
             os.makedirs(path, exist_ok=True)
+            for new in reversed(created) if fsync else ():
+                self.sync_dir(os.path.dirname(new))
             probe = os.path.join(path, f".asyncckpt-probe-{unique_suffix()}")
             with open(probe, "xb"):
                 pass

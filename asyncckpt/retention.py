@@ -1,0 +1,150 @@
+"""Removing what committed saves made obsolete: the files a re-save replaced, sidecars of other
+saves, and checkpoints beyond `keep_last`.
+
+It runs on one background thread of the coordinator's checkpointer, after the verdict is
+broadcast: deleting a large checkpoint on a slow store must not hold up the commit's collectives
+(every rank waits there, under a timeout). A directory a save is writing into is never touched:
+the save claims it first, and a claim waits (bounded) for a deletion of that directory under way.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+from .errors import CheckpointTimeoutError
+from .loading import METADATA_FILE, list_checkpoints, read_latest_marker, unreferenced_files
+from .storage import Storage, storage_for
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Tidy:
+    """What to clear up after one commit."""
+
+    root: Optional[str]
+    step_dir: str
+    replaced: bool  # the save replaced a committed checkpoint of its step: its old files go
+    keep_last: Optional[int]
+
+
+class Janitor:
+    """Runs `Tidy` jobs in order on one daemon thread (started by the first job)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._jobs: collections.deque[Tidy] = collections.deque()
+        self._running = False  # a job is being worked on
+        self._claimed: Optional[str] = None  # the step directory a save is writing into
+        self._busy: Optional[str] = None  # the directory being deleted from right now
+        self._thread: Optional[threading.Thread] = None
+        self._closed = False
+
+    def claim(self, step_dir: str, timeout_s: float) -> None:
+        """A save is about to write into `step_dir`: keep retention out of it until `finished`."""
+        with self._cond:
+            self._claimed = step_dir
+            if not self._cond.wait_for(lambda: self._busy != step_dir, timeout_s):
+                raise CheckpointTimeoutError(f"{step_dir} is still being deleted by retention after {timeout_s:.1f}s")
+
+    def finished(self, tidy: Optional[Tidy]) -> None:
+        """The claiming save is over (committed or not); `tidy` is what its commit made obsolete."""
+        with self._cond:
+            self._claimed = None
+            if tidy is None:
+                return
+            self._jobs.append(tidy)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._serve, name="asyncckpt-retention", daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+
+    def wait(self, timeout_s: float) -> bool:
+        """Wait at most `timeout_s` for the queued jobs to end; whether they did."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._jobs and not self._running, timeout_s)
+
+    def close(self, timeout_s: float) -> None:
+        """At the checkpointer's close: wait at most `timeout_s`, then log and move on. The
+        thread ends once it has nothing left to do (a daemon: the process's exit does not wait)."""
+        if not self.wait(timeout_s):
+            log.warning("retention still running after %.1fs (%d jobs queued); not waiting for it", timeout_s, len(self._jobs))
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def _serve(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._jobs or self._closed)
+                if not self._jobs:
+                    return
+                job = self._jobs.popleft()
+                self._running = True
+            try:
+                self._tidy(job)
+            except Exception as exc:
+                log.warning("after committing %s: removing replaced files / retention failed: %r", job.step_dir, exc)
+            finally:
+                with self._cond:
+                    self._running = False
+                    self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def _deleting(self, path: str) -> Iterator[bool]:
+        """Yields whether `path` may be deleted from (no save claims it); claims wait meanwhile."""
+        with self._cond:
+            free = path != self._claimed
+            if free:
+                self._busy = path
+        if not free:
+            log.debug("retention: skipping %s: a save is writing into it", path)
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            with self._cond:
+                self._busy = None
+                self._cond.notify_all()
+
+    def _tidy(self, job: Tidy) -> None:
+        if job.replaced:
+            with self._deleting(job.step_dir) as free:
+                if free:
+                    remove_replaced_files(storage_for(job.step_dir), job.step_dir)
+        if job.keep_last is None:
+            return
+        storage = storage_for(job.root)
+        for path in retention_candidates(storage, job.root, job.keep_last):
+            with self._deleting(path) as free:
+                # re-checked now that no save can claim it: a re-save may have just committed it
+                # (and made it `latest`); is_dir: never through a symlink
+                if not free or path not in retention_candidates(storage, job.root, job.keep_last):
+                    continue
+                if storage.is_dir(path):
+                    # un-commit first, so a crash mid-delete leaves a torn directory, never a broken checkpoint
+                    storage.remove_file(storage.join(path, METADATA_FILE))
+                    storage.remove_tree(path)
+                    log.debug("retention removed %s", path)
+
+
+def remove_replaced_files(storage: Storage, step_dir: str) -> None:
+    """After a save replaced a committed checkpoint: delete the data files and sidecar of the old one
+    (whatever the committed `.metadata` does not name)."""
+    for name in unreferenced_files(step_dir, storage.list_dir(step_dir)):
+        storage.remove_file(storage.join(step_dir, name))
+        log.debug("removed %s of a replaced save of %s", name, step_dir)
+
+
+def retention_candidates(storage: Storage, root: str, keep_last: int) -> list[str]:
+    """Committed checkpoints beyond the newest `keep_last`, never the one `latest` names.
+    Uncommitted (in-flight or torn) directories are not candidates."""
+    committed = [c for c in list_checkpoints(root, storage) if c.committed]
+    protected = read_latest_marker(root, storage)
+    return [c.path for c in committed[: max(len(committed) - keep_last, 0)] if c.name != protected]
