@@ -46,7 +46,8 @@ def exit_with_failure() -> None:
     """Make the exit status 1. A script that ended with an uncaught exception exits with 1
     already: nothing more is done. Otherwise stdout, stderr and logging are flushed and the
     process ends with os._exit(1), which skips what would still run: exit handlers registered
-    before asyncckpt was imported, object finalizers and the flushing of files left open."""
+    before this module was imported (with AsyncCheckpointer), object finalizers and the flushing
+    of files left open."""
     if getattr(sys, "last_value", None) is not None:
         return
     for stream in (sys.stdout, sys.stderr):

@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
@@ -29,23 +28,10 @@ from .inflight import InFlightSave
 from .report import SaveReport, publish
 from .retention import Janitor
 from .protocol import SaveFailed, SaveRequest, Staged, WorkerSettings, WriteDone, WriteOptions
-from .snapshot import Snapshot, copies_warning, take_snapshot
+from .snapshot import Snapshot, WorkerHolds, copies_warning, take_snapshot, tensors_to_send
 from .storage import storage_for
 
 log = logging.getLogger("asyncckpt")
-
-
-@dataclass
-class _WorkerHolds:
-    """What the worker has cached: a structure, and each tensor with its fingerprint.
-
-    The tensors are kept referenced here on purpose: while they live, their storage cannot be
-    freed, so a new tensor can never reuse the address and pass the pointer comparison (a freed
-    shared-memory mapping is otherwise handed straight back to the next allocation)."""
-
-    structure_key: str
-    fingerprints: list
-    tensors: list
 
 
 class AsyncCheckpointer:
@@ -78,7 +64,7 @@ class AsyncCheckpointer:
         self.rank = self._group.rank
         self._planning = Planning(planner_factory)
         self._client: Optional[WorkerClient] = None
-        self._holds: Optional[_WorkerHolds] = None
+        self._holds: Optional[WorkerHolds] = None
         self._in_flight: Optional[InFlightSave] = None
         self._committed: list[SaveReport] = []
         self._next_save_id = 0
@@ -159,7 +145,7 @@ class AsyncCheckpointer:
             self._client.send(request, self.config.timeout_s)
             flight.save_id, flight.tensors_sent = request.save_id, len(request.fresh_tensors)
             flight.deadline = time.monotonic() + self._client.allowance(self.config.timeout_s)  # start-up
-            self._holds = _WorkerHolds(snapshot.structure_key, snapshot.fingerprints, snapshot.tensors)
+            self._holds = WorkerHolds(snapshot.structure_key, snapshot.fingerprints, snapshot.tensors)
         except Exception as exc:  # e.g. an entry that cannot be resolved or shared
             if self._group.size == 1:
                 discard_uncommitted(storage, step_dir, file_tag, owns_dir)
@@ -248,17 +234,8 @@ class AsyncCheckpointer:
 
     # save path -------------------------------------------------------------------------------
     def _request_for(self, snapshot: Snapshot, step_dir: str, file_tag: str) -> SaveRequest:
-        held = self._holds
-        known = self.config.cache_structure and held is not None and held.structure_key == snapshot.structure_key
-        if known:
-            fresh = {
-                pos: tensor
-                for pos, tensor in enumerate(snapshot.tensors)
-                if tensor is not None
-                and (pos in snapshot.always_fresh or snapshot.fingerprints[pos] != held.fingerprints[pos])
-            }
-        else:
-            fresh = {pos: t for pos, t in enumerate(snapshot.tensors) if t is not None}
+        held = self._holds if self.config.cache_structure else None
+        known, fresh = tensors_to_send(snapshot, held)
         self._next_save_id += 1
         return SaveRequest(
             save_id=self._next_save_id,

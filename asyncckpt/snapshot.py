@@ -234,6 +234,31 @@ def _fingerprint(tensor: torch.Tensor) -> Fingerprint:
     )
 
 
+@dataclass
+class WorkerHolds:
+    """What the worker has cached: a structure, and each tensor with its fingerprint.
+
+    The tensors are kept referenced here on purpose: while they live, their storage cannot be
+    freed, so a new tensor can never reuse the address and pass the pointer comparison (a freed
+    shared-memory mapping is otherwise handed straight back to the next allocation)."""
+
+    structure_key: str
+    fingerprints: list
+    tensors: list
+
+
+def tensors_to_send(snapshot: Snapshot, held: Optional[WorkerHolds]) -> tuple[bool, dict[int, torch.Tensor]]:
+    """Whether the worker knows this structure, and the tensors (by position) it must be sent:
+    all of them for an unknown structure; else those always sent fresh or whose fingerprint changed."""
+    if held is None or held.structure_key != snapshot.structure_key:
+        return False, {pos: t for pos, t in enumerate(snapshot.tensors) if t is not None}
+    return True, {
+        pos: tensor
+        for pos, tensor in enumerate(snapshot.tensors)
+        if tensor is not None and (pos in snapshot.always_fresh or snapshot.fingerprints[pos] != held.fingerprints[pos])
+    }
+
+
 def copies_warning(snapshot: Snapshot) -> Optional[str]:
     """What to tell the user when some tensors are copied into shared memory on every save."""
     if not snapshot.always_fresh:
