@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from . import at_exit
 from .client import WorkerClient
 from .commit import RankOutcome, SaveTarget, discard_uncommitted, finish_save
-from .config import CheckpointConfig, eager_staging_threads
+from .config import CheckpointConfig, write_options
 from .errors import CheckpointError, CheckpointTimeoutError, WorkerDiedError
 from .formats import new_file_tag
 from .loading import METADATA_FILE, latest_checkpoint, load, step_dir_name
@@ -27,7 +27,7 @@ from .ranks import RankGroup, finalize_bound_s
 from .inflight import InFlightSave
 from .report import SaveReport, publish
 from .retention import Janitor
-from .protocol import SaveFailed, SaveRequest, Staged, WorkerSettings, WriteDone, WriteOptions
+from .protocol import SaveFailed, SaveRequest, Staged, WorkerSettings, WriteDone
 from .snapshot import Snapshot, WorkerHolds, copies_warning, take_snapshot, tensors_to_send
 from .storage import storage_for
 
@@ -241,18 +241,11 @@ class AsyncCheckpointer:
             save_id=self._next_save_id,
             checkpoint_dir=step_dir,
             structure_key=snapshot.structure_key,
-            options=self._write_options(),
+            options=write_options(self.config),
             items=None if known else snapshot.items,
             fresh_tensors=fresh,
             byte_items=snapshot.objects,
             file_tag=file_tag,
-        )
-
-    def _write_options(self) -> WriteOptions:
-        c = self.config
-        return WriteOptions(
-            c.io, c.io_workers, c.format, c.fsync, c.checksums, c.separation_hint, c.staging_budget_bytes,
-            staging_threads=eager_staging_threads() if c.staging == "eager" else 1, timeout_s=c.timeout_s,
         )
 
     def _finish_in_flight(self, blocking: bool) -> None:

@@ -6,6 +6,8 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+from .protocol import WriteOptions
+
 _CHOICES = {
     "io": ("thread", "process"),
     "staging": ("eager", "lazy"),
@@ -83,6 +85,14 @@ def _require_int(config: CheckpointConfig, name: str, minimum: int) -> None:
     value = getattr(config, name)
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         raise ValueError(f"CheckpointConfig.{name}={value!r} must be an integer >= {minimum}")
+
+
+def write_options(c: CheckpointConfig) -> WriteOptions:
+    """What the worker needs of the configuration to write one save."""
+    return WriteOptions(
+        c.io, c.io_workers, c.format, c.fsync, c.checksums, c.separation_hint, c.staging_budget_bytes,
+        staging_threads=eager_staging_threads() if c.staging == "eager" else 1, timeout_s=c.timeout_s,
+    )
 
 
 def eager_staging_threads() -> int:
