@@ -425,14 +425,17 @@ def test_file_size_limit_in_the_worker_gives_efbig_and_recovers(ckpt_root, io):
         expected_1 = clone_state(state)
         bump(state, 1.0)
         worker = psutil.Process(ckpt.worker_pid)
+        tree = [worker, *worker.children()]  # forked writers inherit the limit of the fork server
         limits = worker.rlimit(psutil.RLIMIT_FSIZE)
-        worker.rlimit(psutil.RLIMIT_FSIZE, (MiB, limits[1]))
+        for process in tree:
+            process.rlimit(psutil.RLIMIT_FSIZE, (MiB, limits[1]))
         try:
             with pytest.raises(CheckpointError) as raised:
                 ckpt.schedule_save(state, step=2)
                 ckpt.finalize(blocking=True)
         finally:
-            worker.rlimit(psutil.RLIMIT_FSIZE, limits)
+            for process in tree:
+                process.rlimit(psutil.RLIMIT_FSIZE, limits)
         message = str(raised.value)
         print(f"\n[{io}] file size limit: {message}")
         assert "EFBIG" in message and os.path.join(step_path(ckpt_root, 2), "__0_0.distcp") in message
