@@ -1,6 +1,6 @@
 """Checkpointers a script never closed: at interpreter exit each one's in-flight save is committed
 (bounded by timeout_s) and its worker stopped. A save that fails there must not pass unnoticed:
-an ERROR log line, a message on stderr, and exit status 1 (the README's "Guarantees and limits"
+an ERROR log line, a message on stderr, and exit status 1 (docs/guarantees.md
 says exactly what that skips)."""
 
 from __future__ import annotations

@@ -149,7 +149,7 @@ def check_no_stateless_optimizer(state_dict: dict[str, Any], metadata: Metadata,
                 raise CheckpointError(
                     f"{path!r}: the optimizer at {fqn!r} has no state yet, so its {len(saved)} saved state "
                     "entries would be silently dropped; save and load model and optimizer through "
-                    "torch.distributed.checkpoint.state_dict.get_state_dict / set_state_dict (see the README), "
+                    "torch.distributed.checkpoint.state_dict.get_state_dict / set_state_dict (see docs/usage.md), "
                     "or load after the optimizer's first step"
                 )
 

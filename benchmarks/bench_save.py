@@ -2,7 +2,7 @@
 
 Every method saves the SAME in-memory state (default 1 GiB of float32/bf16 tensors of mixed sizes
 plus a few plain Python items) to the SAME disk directory, in one process run, so the numbers are
-comparable even on a noisy shared disk (README: "Benchmark"):
+comparable even on a noisy shared disk (docs/benchmark.md):
 
   raw_write            one sequential file of the same byte count, fsync'd (disk ceiling)
   memcpy               copy of every tensor into reused host buffers on the threads asyncckpt's eager

@@ -1,4 +1,4 @@
-"""The GPU path (README: "How it works", "Limits"): CUDA tensors reach the worker as IPC handles, are copied into a
+"""The GPU path (docs/how_it_works.md, docs/guarantees.md "Limits"): CUDA tensors reach the worker as IPC handles, are copied into a
 pinned slab on a side stream, and the trainer may mutate them once staged. Tests marked `cuda`
 skip without a GPU; the dequantize rule is checked on CPU too."""
 

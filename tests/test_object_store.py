@@ -1,4 +1,4 @@
-"""Object stores (README: "Object storage"): msc:// and s3:// roots against a real S3 server process (moto).
+"""Object stores (docs/usage.md, "Object storage"): msc:// and s3:// roots against a real S3 server process (moto).
 
 What the foundation tests do not cover: the backend's own semantics (nothing visible before an
 upload completes, aborted files publish nothing, listing and deleting dot-files), a connection cut
