@@ -14,6 +14,10 @@ $(STAMP): pyproject.toml
 	# torch first and pinned: an unpinned torch would pull a multi-GB CUDA build
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e ".[test,bench,msc]"
+	# torchtitan for tests/test_torchtitan.py, without its dependencies: its CheckpointManager and
+	# optimizer containers need only tyro and spmd_types (in the test extra); the rest (datasets,
+	# wandb, tensorboard, pyarrow, ...) is ~440 MB that no test uses
+	$(PY) -m pip install --quiet --no-deps torchtitan==0.3.0
 	touch $(STAMP)
 
 install: venv
