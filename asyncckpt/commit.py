@@ -92,16 +92,17 @@ def finish_save(
 def _decide(storage: Storage, target: SaveTarget, outcomes: list[RankOutcome], fsync: bool, keep_last) -> Decision:
     failures = [o for o in outcomes if o.error is not None]
     what = f"step {target.step}" if target.name is not None else target.step_dir
+    failed = Tidy(target.root if target.name is not None else None, target.step_dir, committed=False)
     if failures:
         discard_uncommitted(storage, target.step_dir, target.file_tag, target.owns_dir)
-        return Decision(Verdict(False, "; ".join(f"rank {o.rank}: {o.error}" for o in failures)))
+        return Decision(Verdict(False, "; ".join(f"rank {o.rank}: {o.error}" for o in failures)), failed)
     started = time.perf_counter()
     written = [item for o in outcomes for item in o.written.items]
     try:
         commit_checkpoint(storage, target, written, fsync)
     except Exception as exc:  # any failure here must reach every rank through the verdict
         discard_uncommitted(storage, target.step_dir, target.file_tag, target.owns_dir)
-        return Decision(Verdict(False, f"{what}: commit failed in {target.step_dir}: {exc!r}"))
+        return Decision(Verdict(False, f"{what}: commit failed in {target.step_dir}: {exc!r}"), failed)
     if target.name is not None:
         try:
             move_latest(storage, target.root, target.name, fsync)
@@ -110,9 +111,8 @@ def _decide(storage: Storage, target: SaveTarget, outcomes: list[RankOutcome], f
                       target.step_dir, exc)
     total = sum(o.written.bytes_written for o in outcomes)
     retention = keep_last if target.name is not None else None
-    tidy = Tidy(target.root, target.step_dir, bool(target.file_tag), retention)
-    needed = tidy.replaced or retention is not None
-    return Decision(Verdict(True, None, total, time.perf_counter() - started), tidy if needed else None)
+    tidy = Tidy(failed.root, target.step_dir, bool(target.file_tag), retention)
+    return Decision(Verdict(True, None, total, time.perf_counter() - started), tidy)
 
 
 def discard_uncommitted(storage: Storage, step_dir: str, file_tag: str = "", owns_dir: bool = True) -> None:

@@ -28,7 +28,7 @@ from torch.futures import Future
 from .errors import CheckpointError
 from .formats import SIDECAR_NAME, Sidecar, is_data_file, is_safetensors_file
 from .safety import TRUST_HINT, check_range, check_relative_path, load_metadata, load_object, load_tensor, raw_tensor
-from .storage import Storage, storage_for
+from .storage import OpenUpload, Storage, storage_for
 from .verify import check_items, find_sidecar, read_sidecar, sidecar_belongs_to, stale_sidecars
 
 log = logging.getLogger(__name__)
@@ -324,6 +324,24 @@ def unreferenced_files(path: str, names: list[str]) -> list[str]:
     return [n for n in names if is_data_file(n) and n not in used] + stale_sidecars(storage_for(path), path, names, metadata)
 
 
+def uploads_left_open(
+    uploads: list[OpenUpload], step_dir: Optional[str] = None, root: Optional[str] = None
+) -> dict[str, list[OpenUpload]]:
+    """The uploads of data files (our names) directly in `step_dir` or in any ROOT/step_N of
+    `root`, grouped by directory; nothing else (another job's root nested under ours, files of
+    other names) is ours to abort."""
+    found: dict[str, list[OpenUpload]] = {}
+    for upload in uploads:
+        directory, _, name = upload.path.rpartition("/")
+        parent, _, dir_name = directory.rpartition("/")
+        ours = (step_dir is not None and directory == step_dir.rstrip("/")) or (
+            root is not None and parent == root.rstrip("/") and parse_step(dir_name) is not None
+        )
+        if ours and is_data_file(name):
+            found.setdefault(directory, []).append(upload)
+    return found
+
+
 def cleanup(root: str, dry_run: bool = False) -> list[str]:
     """Remove what interrupted saves left in `root`: step directories without `.metadata`, stray
     temp files of atomic writes, and data files and checksum sidecars a committed checkpoint's
@@ -332,8 +350,11 @@ def cleanup(root: str, dry_run: bool = False) -> list[str]:
     Only what is recognisably ours goes: a torn directory holding anything but data files and
     temp files (a subdirectory, a file of another name) is kept and logged; symlinks are never
     followed or removed; nothing a committed checkpoint uses is touched (one whose `.metadata`
-    cannot be read safely is left alone). Do not run it while a save into `root` is in flight."""
+    cannot be read safely is left alone). On an object store, the multipart uploads of data
+    files left open in the step directories are aborted too (their paths are returned).
+    Do not run it while a save into `root` is in flight."""
     storage = storage_for(root)
+    uploads = [u for found in uploads_left_open(storage.open_uploads(root), root=root).values() for u in found]
     leftovers = [storage.join(root, name) for name in storage.list_dir(root) if _TEMP_FILE.match(name)]
     for info in list_checkpoints(root, storage):
         names = storage.list_dir(info.path)
@@ -354,6 +375,9 @@ def cleanup(root: str, dry_run: bool = False) -> list[str]:
                 storage.remove_tree(path)
             else:
                 storage.remove_file(path)
-        if leftovers:
-            log.info("cleanup removed %s", ", ".join(leftovers))
+        for upload in uploads:
+            storage.abort_upload(upload)
+    leftovers += [u.path for u in uploads]
+    if leftovers and not dry_run:
+        log.info("cleanup removed %s", ", ".join(leftovers))
     return leftovers

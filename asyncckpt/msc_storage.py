@@ -18,7 +18,7 @@ import time
 from typing import Any, Optional
 
 from .errors import CheckpointError
-from .storage import Storage, WriteHandle, unique_suffix
+from .storage import OpenUpload, Storage, WriteHandle, unique_suffix
 
 # msc sends a file at or below the profile's multipart threshold (64 MiB by default) as one PUT of
 # the whole file read into memory; such uploads share this budget, so together they never hold
@@ -235,6 +235,37 @@ class MscStorage(Storage):
 
         self._call("delete", path, delete_all)
 
+    def open_uploads(self, path: str) -> list[OpenUpload]:
+        def listed(client, key) -> list[OpenUpload]:
+            s3 = _s3_api(client, _as_prefix(key))
+            if s3 is None:
+                return []
+            api, bucket, prefix = s3
+            found = []
+            for page in api.get_paginator("list_multipart_uploads").paginate(Bucket=bucket, Prefix=prefix):
+                for upload in page.get("Uploads", []):
+                    initiated = upload.get("Initiated")
+                    found.append(OpenUpload(
+                        self.join(path, upload["Key"][len(prefix) :]), upload["UploadId"],
+                        initiated.timestamp() if initiated is not None else None,
+                    ))
+            return found
+
+        return self._call("list uploads", path, listed)
+
+    def abort_upload(self, upload: OpenUpload) -> None:
+        def abort(client, key) -> None:
+            s3 = _s3_api(client, key)
+            if s3 is None:
+                return
+            api, bucket, s3_key = s3
+            try:
+                api.abort_multipart_upload(Bucket=bucket, Key=s3_key, UploadId=upload.upload_id)
+            except api.exceptions.NoSuchUpload:
+                pass  # completed or aborted meanwhile
+
+        self._call("abort upload", upload.path, abort)
+
     def sync_dir(self, path: str) -> None:
         pass  # no directories: an object is durable once its upload returned
 
@@ -268,6 +299,21 @@ def _single_put_limit(client) -> int:
         return 0
     limit = getattr(getattr(client, "_storage_provider", None), "_multipart_threshold", None)
     return limit if isinstance(limit, int) else 64 << 20
+
+
+def _s3_api(client, key: str):
+    """(boto3 S3 client, bucket, S3 key) behind a msc client and key, for what msc has no API for:
+    listing and aborting unfinished multipart uploads. Reads msc's private
+    `_storage_provider._s3_client` and `_prepend_base_path` (msc 1.3, S3-compatible providers);
+    None where they are missing (another provider or msc version): open uploads are then left to
+    the bucket's lifecycle rule (AbortIncompleteMultipartUpload)."""
+    provider = getattr(client, "_storage_provider", None)
+    api = getattr(provider, "_s3_client", None)
+    full_path = getattr(provider, "_prepend_base_path", None)
+    if api is None or not callable(full_path) or not hasattr(api, "list_multipart_uploads"):
+        return None
+    bucket, _, s3_key = full_path(key).partition("/")
+    return api, bucket, s3_key
 
 
 def _is_posix(client) -> bool:

@@ -1,5 +1,5 @@
-"""Removing what committed saves made obsolete: the files a re-save replaced, sidecars of other
-saves, and checkpoints beyond `keep_last`.
+"""Removing what finished saves made obsolete: the files a re-save replaced, sidecars of other
+saves, checkpoints beyond `keep_last`, and multipart uploads that failed saves left open.
 
 It runs on one background thread of the coordinator's checkpointer, after the verdict is
 broadcast: deleting a large checkpoint on a slow store must not hold up the commit's collectives
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Iterator, Optional
 
 from .errors import CheckpointTimeoutError
-from .loading import METADATA_FILE, list_checkpoints, read_latest_marker, unreferenced_files
+from .loading import METADATA_FILE, list_checkpoints, read_latest_marker, unreferenced_files, uploads_left_open
 from .storage import Storage, storage_for
 
 log = logging.getLogger(__name__)
@@ -25,12 +25,13 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Tidy:
-    """What to clear up after one commit."""
+    """What to clear up after one save ended."""
 
-    root: Optional[str]
+    root: Optional[str]  # set for ROOT/step_N saves: retention and the upload sweep cover the root
     step_dir: str
-    replaced: bool  # the save replaced a committed checkpoint of its step: its old files go
-    keep_last: Optional[int]
+    replaced: bool = False  # the save replaced a committed checkpoint of its step: its old files go
+    keep_last: Optional[int] = None
+    committed: bool = True  # False: the save failed
 
 
 class Janitor:
@@ -114,6 +115,12 @@ class Janitor:
                 self._cond.notify_all()
 
     def _tidy(self, job: Tidy) -> None:
+        try:
+            self._abort_stale_uploads(job)
+        except OSError as exc:  # e.g. the store still unreachable: the next commit tries again
+            log.warning("after %s: could not abort multipart uploads left open: %s", job.step_dir, exc)
+        if not job.committed:
+            return
         if job.replaced:
             with self._deleting(job.step_dir) as free:
                 if free:
@@ -132,6 +139,35 @@ class Janitor:
                     storage.remove_file(storage.join(path, METADATA_FILE))
                     storage.remove_tree(path)
                     log.debug("retention removed %s", path)
+
+
+    def _abort_stale_uploads(self, job: Tidy) -> None:
+        """Abort multipart uploads our failed saves left open (a writer cut off from the store
+        could not abort its own). After a failed save: those in its own directory. After a
+        commit: those in any step directory of the root (or the save's own directory) that
+        started before this commit's `.metadata` was written (the store's clock), so leftovers
+        of any earlier save, whatever its step, go once the store is reachable again.
+        Never in a directory a save of ours is writing into (claimed): every rank starts a
+        save's uploads only after the coordinator claimed its directory."""
+        storage = storage_for(job.step_dir)
+        scope = job.root if job.committed and job.root is not None else job.step_dir
+        found = uploads_left_open(storage.open_uploads(scope), job.step_dir, job.root if job.committed else None)
+        if not found:
+            return
+        before = None
+        if job.committed:
+            before = storage.modified_time(storage.join(job.step_dir, METADATA_FILE))
+            if before is None:
+                log.warning("not aborting uploads left open in %s: the commit's time is unknown", scope)
+                return
+        for directory, uploads in sorted(found.items()):
+            with self._deleting(directory) as free:
+                if not free:
+                    continue
+                for upload in uploads:
+                    if before is None or (upload.initiated is not None and upload.initiated < before):
+                        storage.abort_upload(upload)
+                        log.info("aborted the multipart upload of %s left open by a failed save", upload.path)
 
 
 def remove_replaced_files(storage: Storage, step_dir: str) -> None:

@@ -15,6 +15,7 @@ import socket
 import threading
 import uuid
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import Optional
 
 from .errors import CheckpointError
@@ -40,6 +41,16 @@ class WriteHandle(ABC):
     @abstractmethod
     def abort(self) -> None:
         """Close and delete the partial file. Never raises."""
+
+
+@dataclass(frozen=True)
+class OpenUpload:
+    """A multipart upload started and neither completed nor aborted (its writer failed or died):
+    no object is visible, but its parts stay stored, and billed, until it is aborted."""
+
+    path: str  # the file it would have published
+    upload_id: str
+    initiated: Optional[float]  # when it started, seconds since the epoch (the store's clock); None: unknown
 
 
 class Storage(ABC):
@@ -115,6 +126,13 @@ class Storage(ABC):
     def remove_empty_dir(self, path: str) -> None:
         """Remove `path` if it is an empty directory; leave anything else alone. Never raises
         for a directory that is not empty or not there."""
+
+    def open_uploads(self, path: str) -> list[OpenUpload]:
+        """Unfinished multipart uploads of files anywhere under `path` (none on a filesystem)."""
+        return []
+
+    def abort_upload(self, upload: OpenUpload) -> None:
+        """Abort one upload `open_uploads` found (its parts are freed); one already gone is fine."""
 
 
 class _LocalFile(WriteHandle):
