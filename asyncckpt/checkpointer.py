@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from . import at_exit
 from .client import WorkerClient
-from .commit import RankOutcome, SaveTarget, discard_uncommitted, finish_save
+from .commit import RankOutcome, SaveTarget, finish_save
 from .config import CheckpointConfig, write_options
 from .errors import CheckpointError, CheckpointTimeoutError, WorkerDiedError
 from .formats import new_file_tag
@@ -26,7 +26,7 @@ from .planning import Planning
 from .ranks import RankGroup, finalize_bound_s
 from .inflight import InFlightSave
 from .report import SaveReport, publish
-from .retention import Janitor
+from .retention import Janitor, discard_uncommitted
 from .protocol import SaveFailed, SaveRequest, Staged, WorkerSettings, WriteDone
 from .snapshot import Snapshot, WorkerHolds, copies_warning, take_snapshot, tensors_to_send
 from .storage import storage_for

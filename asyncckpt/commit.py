@@ -3,8 +3,8 @@
 Order matters and is the whole guarantee: data files are fsynced by the writers; here the
 checksums sidecar is published, the directory synced, then `.metadata` is published atomically
 (that is the commit), the root synced, then `latest` moves. What the commit made obsolete (files
-of a replaced save, checkpoints beyond keep_last) is removed afterwards, off the collective path
-(retention.py). The verdict says what is on disk: once `.metadata` is in place the save is
+of a replaced save, checkpoints beyond keep_last), and with several ranks what a failed save
+wrote, is removed afterwards, off the collective path (retention.py). The verdict says what is on disk: once `.metadata` is in place the save is
 committed, even if making it durable then failed (logged as an ERROR).
 """
 
@@ -22,12 +22,11 @@ from typing import Optional
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-from .formats import SIDECAR_NAME, ItemChecksum, encode_checksums, is_data_file, sidecar_file
-from .loading import LATEST_FILE, METADATA_FILE, read_metadata
-from .errors import CheckpointError
+from .formats import ItemChecksum, encode_checksums, sidecar_file
+from .loading import LATEST_FILE, METADATA_FILE
 from .protocol import ItemWritten, WriteDone
 from .ranks import RankGroup
-from .retention import Janitor, Tidy
+from .retention import Janitor, Tidy, discard_uncommitted
 from .storage import Storage
 
 log = logging.getLogger(__name__)
@@ -77,9 +76,9 @@ def finish_save(
     group: RankGroup, storage: Storage, target: SaveTarget, outcome: RankOutcome, fsync: bool,
     keep_last: Optional[int], janitor: Janitor,
 ) -> Verdict:
-    """Collective: gather every rank's outcome; the coordinator commits if all succeeded, else
-    removes the uncommitted directory; every rank gets the same verdict. Retention and removal of
-    replaced files are handed to `janitor` after the broadcast."""
+    """Collective: gather every rank's outcome; the coordinator commits if all succeeded; every
+    rank gets the same verdict. What to remove (a failed save's files, replaced files, retention)
+    is handed to `janitor` after the broadcast (see `_failed` for a single rank's failed save)."""
     outcomes = group.gather(outcome)
     decision = None
     if group.is_coordinator:
@@ -92,17 +91,15 @@ def finish_save(
 def _decide(storage: Storage, target: SaveTarget, outcomes: list[RankOutcome], fsync: bool, keep_last) -> Decision:
     failures = [o for o in outcomes if o.error is not None]
     what = f"step {target.step}" if target.name is not None else target.step_dir
-    failed = Tidy(target.root if target.name is not None else None, target.step_dir, committed=False)
+    root = target.root if target.name is not None else None
     if failures:
-        discard_uncommitted(storage, target.step_dir, target.file_tag, target.owns_dir)
-        return Decision(Verdict(False, "; ".join(f"rank {o.rank}: {o.error}" for o in failures)), failed)
+        return _failed(storage, target, "; ".join(f"rank {o.rank}: {o.error}" for o in failures), len(outcomes) > 1)
     started = time.perf_counter()
     written = [item for o in outcomes for item in o.written.items]
     try:
         commit_checkpoint(storage, target, written, fsync)
     except Exception as exc:  # any failure here must reach every rank through the verdict
-        discard_uncommitted(storage, target.step_dir, target.file_tag, target.owns_dir)
-        return Decision(Verdict(False, f"{what}: commit failed in {target.step_dir}: {exc!r}"), failed)
+        return _failed(storage, target, f"{what}: commit failed in {target.step_dir}: {exc!r}", len(outcomes) > 1)
     if target.name is not None:
         try:
             move_latest(storage, target.root, target.name, fsync)
@@ -111,36 +108,20 @@ def _decide(storage: Storage, target: SaveTarget, outcomes: list[RankOutcome], f
                       target.step_dir, exc)
     total = sum(o.written.bytes_written for o in outcomes)
     retention = keep_last if target.name is not None else None
-    tidy = Tidy(failed.root, target.step_dir, bool(target.file_tag), retention)
+    tidy = Tidy(root, target.step_dir, bool(target.file_tag), retention)
     return Decision(Verdict(True, None, total, time.perf_counter() - started), tidy)
 
 
-def discard_uncommitted(storage: Storage, step_dir: str, file_tag: str = "", owns_dir: bool = True) -> None:
-    """Remove what a failed save wrote; it was never committed, so nothing can depend on it.
-    A save that was replacing a committed checkpoint removes only its own (tagged) files; one into
-    a directory it did not create removes only data files, then the directory if that left it empty."""
-    try:
-        if not storage.is_dir(step_dir):
-            return
-        if not storage.exists(storage.join(step_dir, METADATA_FILE)):
-            if owns_dir:
-                storage.remove_tree(step_dir)
-                return
-            for name in storage.list_dir(step_dir):
-                if is_data_file(name) or SIDECAR_NAME.match(name):
-                    storage.remove_file(storage.join(step_dir, name))
-            storage.remove_empty_dir(step_dir)
-        elif file_tag:  # the committed checkpoint stays; so do files its .metadata names (ours, if
-            used = _referenced_files(step_dir)  # the commit failed after publishing it)
-            for name in storage.list_dir(step_dir):
-                if is_data_file(name, tag=file_tag) and name not in used:
-                    storage.remove_file(storage.join(step_dir, name))
-    except (OSError, CheckpointError) as exc:
-        log.warning("could not remove uncommitted files in %s: %s", step_dir, exc)
-
-
-def _referenced_files(step_dir: str) -> set[str]:
-    return {info.relative_path for info in (read_metadata(step_dir).storage_data or {}).values()}
+def _failed(storage: Storage, target: SaveTarget, error: str, ranks_wait: bool) -> Decision:
+    """A failed save's files go: on the retention thread when other ranks wait for this verdict
+    (deleting on a slow store must not outlast their collective timeout), else at once, so they
+    are gone when the error is raised. Its multipart uploads left open go on that thread too."""
+    if not ranks_wait:
+        discard_uncommitted(storage, target.step_dir, target.file_tag, target.owns_dir)
+    root = target.root if target.name is not None else None
+    tidy = Tidy(root, target.step_dir, committed=False, discard=ranks_wait, file_tag=target.file_tag,
+                owns_dir=target.owns_dir)
+    return Decision(Verdict(False, error), tidy)
 
 
 def commit_checkpoint(storage: Storage, target: SaveTarget, written: list[ItemWritten], fsync: bool) -> None:

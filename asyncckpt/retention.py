@@ -1,5 +1,6 @@
 """Removing what finished saves made obsolete: the files a re-save replaced, sidecars of other
-saves, checkpoints beyond `keep_last`, and multipart uploads that failed saves left open.
+saves, checkpoints beyond `keep_last`, what a failed save wrote (with several ranks; one rank
+removes it before raising, see commit._failed), and multipart uploads failed saves left open.
 
 It runs on one background thread of the coordinator's checkpointer, after the verdict is
 broadcast: deleting a large checkpoint on a slow store must not hold up the commit's collectives
@@ -16,8 +17,9 @@ import threading
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
-from .errors import CheckpointTimeoutError
-from .loading import METADATA_FILE, list_checkpoints, read_latest_marker, unreferenced_files, uploads_left_open
+from .errors import CheckpointError, CheckpointTimeoutError
+from .formats import SIDECAR_NAME, is_data_file
+from .loading import METADATA_FILE, list_checkpoints, read_latest_marker, read_metadata, unreferenced_files, uploads_left_open
 from .storage import Storage, storage_for
 
 log = logging.getLogger(__name__)
@@ -32,6 +34,9 @@ class Tidy:
     replaced: bool = False  # the save replaced a committed checkpoint of its step: its old files go
     keep_last: Optional[int] = None
     committed: bool = True  # False: the save failed
+    discard: bool = False  # remove the failed save's files here (see commit._failed)
+    file_tag: str = ""  # as in commit.SaveTarget, for that removal
+    owns_dir: bool = True
 
 
 class Janitor:
@@ -120,6 +125,9 @@ class Janitor:
         except OSError as exc:  # e.g. the store still unreachable: the next commit tries again
             log.warning("after %s: could not abort multipart uploads left open: %s", job.step_dir, exc)
         if not job.committed:
+            with self._deleting(job.step_dir) as free:  # not free: a new save is writing there
+                if free and job.discard:
+                    discard_uncommitted(storage_for(job.step_dir), job.step_dir, job.file_tag, job.owns_dir)
             return
         if job.replaced:
             with self._deleting(job.step_dir) as free:
@@ -168,6 +176,34 @@ class Janitor:
                     if before is None or (upload.initiated is not None and upload.initiated < before):
                         storage.abort_upload(upload)
                         log.info("aborted the multipart upload of %s left open by a failed save", upload.path)
+
+
+def discard_uncommitted(storage: Storage, step_dir: str, file_tag: str = "", owns_dir: bool = True) -> None:
+    """Remove what a failed save wrote; it was never committed, so nothing can depend on it.
+    A save that was replacing a committed checkpoint removes only its own (tagged) files; one into
+    a directory it did not create removes only data files, then the directory if that left it empty."""
+    try:
+        if not storage.is_dir(step_dir):
+            return
+        if not storage.exists(storage.join(step_dir, METADATA_FILE)):
+            if owns_dir:
+                storage.remove_tree(step_dir)
+                return
+            for name in storage.list_dir(step_dir):
+                if is_data_file(name) or SIDECAR_NAME.match(name):
+                    storage.remove_file(storage.join(step_dir, name))
+            storage.remove_empty_dir(step_dir)
+        elif file_tag:  # the committed checkpoint stays; so do files its .metadata names (ours, if
+            used = _referenced_files(step_dir)  # the commit failed after publishing it)
+            for name in storage.list_dir(step_dir):
+                if is_data_file(name, tag=file_tag) and name not in used:
+                    storage.remove_file(storage.join(step_dir, name))
+    except (OSError, CheckpointError) as exc:
+        log.warning("could not remove uncommitted files in %s: %s", step_dir, exc)
+
+
+def _referenced_files(step_dir: str) -> set[str]:
+    return {info.relative_path for info in (read_metadata(step_dir).storage_data or {}).values()}
 
 
 def remove_replaced_files(storage: Storage, step_dir: str) -> None:

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import psutil
@@ -140,6 +141,61 @@ def _failure_on_rank1(rank: int, world: int, root: str) -> None:
 
 def test_writer_failure_on_one_rank_raises_on_every_rank(tmp_path):
     run_ranks(_failure_on_rank1, 2, str(tmp_path / "ckpt"))
+
+
+def _wait_for_file(path: str, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def _failed_save_while_store_stalls(rank: int, world: int, root: str, sync: str) -> None:
+    with AsyncCheckpointer(root, CheckpointConfig(io_workers=1, timeout_s=30)) as ckpt:
+        # fails in the snapshot on every rank (one entry per rank: DCP would give a shared one
+        # to one rank only), after the directory was prepared: raised by the next finalize
+        ckpt.schedule_save({f"bad{rank}": lambda: None}, step=1)
+        dist.barrier()
+        if rank == 0:
+            open(os.path.join(sync, "ready"), "w").close()
+            assert _wait_for_file(os.path.join(sync, "stopped"), 60)
+        dist.barrier()
+        with pytest.raises(CheckpointError, match="step 1 not committed.*cannot be serialized"):
+            ckpt.finalize(blocking=True)  # the coordinator must not delete before the broadcast
+        open(os.path.join(sync, f"verdict-{rank}"), "w").close()
+        assert _wait_for_file(os.path.join(sync, "resumed"), 120)
+
+
+def test_a_failed_saves_discard_on_a_stalled_store_does_not_hold_the_verdict(s3_server, tmp_path):
+    """Removing a failed save's files on an object store that hangs (here: the S3 server
+    stopped) happens after the verdict is broadcast: the other rank gets its CheckpointError
+    while the store still hangs, instead of waiting in the collective for the delete."""
+    root = s3_server.url("msc", s3_server.unique_prefix("discard-stall"))
+    sync = str(tmp_path)
+    moto = s3_server.server.process.pid
+    seen = {}
+
+    def stall_store() -> None:
+        if not _wait_for_file(os.path.join(sync, "ready"), 120):
+            return
+        os.kill(moto, signal.SIGSTOP)
+        try:
+            open(os.path.join(sync, "stopped"), "w").close()
+            seen["verdict on rank 1"] = _wait_for_file(os.path.join(sync, "verdict-1"), 30)
+        finally:
+            os.kill(moto, signal.SIGCONT)
+            open(os.path.join(sync, "resumed"), "w").close()
+
+    staller = threading.Thread(target=stall_store, daemon=True)
+    staller.start()
+    try:
+        run_ranks(_failed_save_while_store_stalls, 2, root, sync, timeout_s=240)
+    finally:
+        staller.join(150)
+        os.kill(moto, signal.SIGCONT)
+    assert seen == {"verdict on rank 1": True}, seen
 
 
 def _poll_every_step(rank: int, world: int, root: str, out: str) -> None:
