@@ -18,14 +18,24 @@ import torch
 
 from asyncckpt.testing.s3_server import BUCKET, MotoServer, S3Session, free_port, session_env, write_msc_config
 
-__all__ = ["free_port"]  # re-exported for the tests: one helper for every loopback port
+__all__ = ["free_port", "stress_size", "STRESS"]  # re-exported for the tests: one helper for every loopback port
 
-BACKENDS = ("local", "msc", "s3")
+# msc:// and s3:// roots both go through multi-storage-client; the object-store tests cover each
+# scheme, and every all_backends test runs on one remote root unless ASYNCCKPT_ALL_BACKENDS=1
+BACKENDS = ("local", "msc", "s3") if os.environ.get("ASYNCCKPT_ALL_BACKENDS") == "1" else ("local", "s3")
+STRESS = os.environ.get("ASYNCCKPT_STRESS") == "1"
+
+
+def stress_size(name: str, ci: int, full: int) -> int:
+    """A stress test's size: `ci` by default (CI runs the whole suite on 2 cores in ~15 minutes),
+    `full` with ASYNCCKPT_STRESS=1, or the number in ASYNCCKPT_STRESS_<NAME>."""
+    value = os.environ.get(f"ASYNCCKPT_STRESS_{name}")
+    return int(value) if value else (full if STRESS else ci)
 
 
 def pytest_configure(config) -> None:
     config.addinivalue_line(
-        "markers", "all_backends: tests taking `ckpt_root` run on a local directory, msc:// and s3:// roots"
+        "markers", "all_backends: tests taking `ckpt_root` run on a local directory and an s3:// root (msc:// too with ASYNCCKPT_ALL_BACKENDS=1)"
     )
     config.addinivalue_line("markers", "local_only: inside an all_backends module, run on a local directory only")
 

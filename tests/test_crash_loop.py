@@ -1,6 +1,6 @@
-"""Crash loop: a trainer that saves back to back is SIGKILLed at a random moment of a save, 20 times
-over one root. After every kill `load_latest` returns a committed step whose values are exactly
-that step's, `latest` names a committed checkpoint, the committed step never goes backwards, and
+"""Crash loop: a trainer that saves back to back is SIGKILLed at a random moment of a save, 8 times
+over one root (20 with ASYNCCKPT_STRESS=1). After every kill `load_latest` returns a committed
+step whose values are exactly that step's, `latest` names a committed checkpoint, the committed step never goes backwards, and
 the killed trainer's worker (and writer children) are gone within 10 seconds.
 
 Each trainer is a real process forked from a small "zygote" script that has already imported torch,
@@ -25,10 +25,10 @@ import torch
 
 from asyncckpt import AsyncCheckpointer, CheckpointConfig, cleanup, latest_checkpoint, load
 from asyncckpt.loading import list_checkpoints, read_latest_marker
-from conftest import wait_gone
+from conftest import stress_size, wait_gone
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ITERATIONS = 20
+ITERATIONS = stress_size("CRASHES", ci=8, full=20)
 TENSORS, NUMEL = 4, 1 << 18  # 4 x 2 MiB of float64
 
 

@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from asyncckpt import AsyncCheckpointer, CheckpointConfig, CheckpointError, load
-from conftest import assert_state_equal, clone_state, wait_gone, zeros_like_state
+from conftest import assert_state_equal, clone_state, stress_size, wait_gone, zeros_like_state
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SAVES = int(os.environ.get("ASYNCCKPT_STRESS_SAVES", "24"))
-FORKS = int(os.environ.get("ASYNCCKPT_STRESS_FORKS", "200"))
+SAVES = stress_size("SAVES", ci=24, full=96)
+FORKS = stress_size("FORKS", ci=200, full=1000)
 
 BUSY_FORKS = textwrap.dedent(
     """
