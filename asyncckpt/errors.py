@@ -11,3 +11,8 @@ class WorkerDiedError(CheckpointError):
 
 class CheckpointTimeoutError(CheckpointError):
     """A bounded wait on the worker ran past `timeout_s`."""
+
+
+class PartialLoadError(CheckpointError):
+    """A load failed after it began writing into the caller's tensors: they now hold a mix of
+    old and loaded values and must not be trained from."""

@@ -174,6 +174,32 @@ def crc32c(data, value: int = 0) -> int:
 
 
 CHECKSUM_FUNCTIONS: dict[str, Callable[..., int]] = {"crc32c": crc32c, "crc32": zlib.crc32}  # crc32: older sidecars
+_POLYNOMIALS = {"crc32c": 0x82F63B78, "crc32": 0xEDB88320}  # reflected
+
+
+def _multiply_mod(a: int, b: int, poly: int) -> int:
+    """a * b modulo the CRC polynomial (reflected bit order), as zlib's multmodp."""
+    m, p = 1 << 31, 0
+    while m and a:
+        if a & m:
+            p ^= b
+            a ^= m
+        m >>= 1
+        b = (b >> 1) ^ poly if b & 1 else b >> 1
+    return p
+
+
+def crc_combine(algorithm: str, crc1: int, crc2: int, length2: int) -> int:
+    """The checksum of A + B from those of A and B (B `length2` bytes long), so that pieces of
+    one item read on different threads are checked without a second pass (zlib's crc32_combine)."""
+    poly = _POLYNOMIALS[algorithm]
+    power, square, n = 1 << 31, 1 << 30, 8 * length2  # x^0, x^1: reflected
+    while n:
+        if n & 1:
+            power = _multiply_mod(square, power, poly)
+        square = _multiply_mod(square, square, poly)
+        n >>= 1
+    return _multiply_mod(power, crc1, poly) ^ crc2
 
 
 @dataclass(frozen=True)
@@ -188,6 +214,9 @@ class Sidecar:
 
     def checksum(self, data, value: int = 0) -> int:
         return CHECKSUM_FUNCTIONS[self.algorithm](data, value)
+
+    def combine(self, crc1: int, crc2: int, length2: int) -> int:
+        return crc_combine(self.algorithm, crc1, crc2, length2)
 
 
 def sidecar_file(save_id: Optional[str]) -> str:

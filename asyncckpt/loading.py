@@ -28,7 +28,8 @@ from torch.futures import Future
 from .errors import CheckpointError
 from .formats import SIDECAR_NAME, Sidecar, is_data_file, is_safetensors_file
 from .safety import TRUST_HINT, check_range, check_relative_path, load_metadata, load_object, load_tensor, raw_tensor
-from .storage import OpenUpload, Storage, storage_for
+from .reader import ItemRead, read_items
+from .storage import LocalStorage, OpenUpload, Storage, storage_for
 from .verify import check_items, find_sidecar, read_sidecar, sidecar_belongs_to, stale_sidecars
 
 log = logging.getLogger(__name__)
@@ -249,26 +250,57 @@ class SafeReader(StorageReader):
             per_file.setdefault(self.metadata.storage_data[req.storage_index].relative_path, []).append(req)
         files = {relative_path: check_relative_path(self.storage, self.path, relative_path) for relative_path in per_file}
         for relative_path, reqs in per_file.items():  # every range checked before anything is read
-            size = self.storage.size(files[relative_path])
+            size = self._file_size(files[relative_path], reqs)
             for req in reqs:
                 info = self.metadata.storage_data[req.storage_index]
-                check_range(files[relative_path], req.storage_index.fqn, info.offset, info.length, size)
-        for relative_path, reqs in per_file.items():
-            for req in reqs:
-                self._read_item(files[relative_path], req, planner)
+                check_range(files[relative_path], _item_name(req), info.offset, info.length, size)
+        if isinstance(self.storage, LocalStorage):
+            items = [self._item_read(files[info_path], req, planner) for info_path, reqs in per_file.items() for req in reqs]
+            decode = lambda item: self._place(item.path, item.req, bytes(item.data), planner)  # noqa: E731
+            read_items(items, planner, self.sidecar if self.checksums else None, decode)
+        else:
+            for relative_path, reqs in per_file.items():
+                for req in reqs:
+                    self._read_item(files[relative_path], req, planner)
         done: Future = Future()
         done.set_result(None)
         return done
 
+    def _file_size(self, file: str, reqs: list[ReadItem]) -> int:
+        try:
+            return self.storage.size(file)
+        except OSError as exc:
+            names = ", ".join(_item_name(req) for req in reqs[:3]) + (" ..." if len(reqs) > 3 else "")
+            raise CheckpointError(f"{file}: cannot read it ({exc.strerror or exc}); it holds {names}") from None
+
+    def _item_read(self, file: str, req: ReadItem, planner: LoadPlanner) -> ItemRead:
+        """What the parallel reader needs of one item (its target resolved here, on this thread)."""
+        info = self.metadata.storage_data[req.storage_index]
+        expected_crc = self.checksums.get((info.relative_path, info.offset, info.length))
+        item = ItemRead(req, file, f"{file}: {_item_name(req)}", info.offset, info.length, expected_crc)
+        if req.type != LoadItemType.BYTE_IO and not info.transform_descriptors:
+            item.dtype, item.chunk = self._chunk_layout(req)
+            item.torch_save = not is_safetensors_file(info.relative_path)
+            item.target = planner.resolve_tensor(req).detach()
+            if tuple(item.target.size()) != tuple(req.lengths):
+                raise CheckpointError(f"{item.name}: target size {tuple(item.target.size())} != {tuple(req.lengths)} read")
+        return item
+
     def _read_item(self, file: str, req: ReadItem, planner: LoadPlanner) -> None:
         info = self.metadata.storage_data[req.storage_index]
         data = self.storage.read_bytes(file, info.offset, info.length)
-        what = f"{file}: {req.storage_index.fqn}"
+        what = f"{file}: {_item_name(req)}"
         if len(data) != info.length:
             raise CheckpointError(f"{what} is truncated ({len(data)} of {info.length} bytes)")
         expected_crc = self.checksums.get((info.relative_path, info.offset, info.length))
         if expected_crc is not None and self.sidecar.checksum(data) != expected_crc:
             raise CheckpointError(f"{what}: checksum mismatch (the data file is damaged)")
+        self._place(file, req, data, planner)
+
+    def _place(self, file: str, req: ReadItem, data: bytes, planner: LoadPlanner) -> None:
+        """Decode one item's checked bytes and put the result in the state dict."""
+        info = self.metadata.storage_data[req.storage_index]
+        what = f"{file}: {_item_name(req)}"
         if info.transform_descriptors:
             data = self._transforms.transform_load_stream(req, info.transform_descriptors, io.BytesIO(data)).read()
         if req.type == LoadItemType.BYTE_IO:
@@ -293,6 +325,12 @@ class SafeReader(StorageReader):
                 if tuple(chunk.offsets) == tuple(req.storage_index.offset or ()):
                     return meta.properties.dtype, tuple(chunk.sizes)
         raise CheckpointError(f"{self.path}: no chunk in {METADATA_FILE} for {req.storage_index}")
+
+
+def _item_name(req: ReadItem) -> str:
+    """An item as errors name it: its fqn, with the chunk's offsets for a tensor."""
+    offset = req.storage_index.offset
+    return req.storage_index.fqn if offset is None else f"{req.storage_index.fqn}{list(offset)}"
 
 
 def verify_checkpoint(path: str, trusted: bool = False) -> list[str]:

@@ -1,0 +1,357 @@
+"""The parallel local reader behind `SafeReader.read_data`: DCP's planner says what to read, this
+module reads it fast.
+
+Every item of the plan becomes segments of its file: byte ranges each with a destination. A
+tensor whose stored layout matches its target (whole chunk, same dtype, both contiguous, target
+in CPU memory) is read straight into the target's memory; its archive framing (torch_save) goes
+to small scratch buffers. Any other tensor is read a slab of rows at a time into its thread's
+reused buffer and copied once into the target (resharding, dtype or layout changes, GPU
+targets). Segments are sorted by offset and coalesced into pieces of up to PIECE_BYTES, each
+one `os.preadv` (the GIL released) on a pool of threads; each thread computes the CRC32C of what
+it read, and the pieces of one item are combined and checked once all reads ended.
+
+A failed read or checksum leaves the targets partly overwritten: the error says so.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import io
+import os
+import threading
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
+
+from .archive import ArchiveError, TensorRecord, locate_tensor
+from .errors import CheckpointError, PartialLoadError
+from .formats import Sidecar
+
+PIECE_BYTES = 16 << 20  # one preadv; also the size of each thread's buffer for copied tensors
+THREADS = min(16, max(4, os.cpu_count() or 4))
+_IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024)
+
+
+@dataclass
+class ItemRead:
+    """One ReadItem of the plan: its bytes in the file and what becomes of them."""
+
+    req: ReadItem
+    path: str  # the data file
+    name: str  # for errors: file and fqn (with the chunk's offsets)
+    start: int
+    length: int
+    expected_crc: Optional[int]
+    target: Optional[torch.Tensor] = None  # tensors: where they go, their stored dtype and chunk size
+    dtype: Optional[torch.dtype] = None
+    chunk: tuple[int, ...] = ()
+    torch_save: bool = True  # a torch.save archive (else raw bytes); False for objects
+    data: Optional[bytearray] = None  # objects and fallback items: the whole item
+    partial_crcs: list[tuple[int, int, int]] = field(default_factory=list)  # (order, crc, length)
+
+
+@dataclass
+class Segment:
+    """A byte range of one item: into `dest`, or (dest None) into the thread's buffer and then
+    through `copy` into the target."""
+
+    item: ItemRead
+    order: int  # position inside the item, for combining checksums
+    offset: int  # in the file
+    length: int
+    dest: Optional[memoryview] = None
+    copy: Optional[Callable[[torch.Tensor], None]] = None
+
+
+@dataclass
+class Piece:
+    """Consecutive segments of one file, read by one preadv."""
+
+    path: str
+    offset: int
+    segments: list[Segment]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.length for s in self.segments)
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """A tensor item's bytes: `nbytes` at file offset `data_start`, dense in `stride` order."""
+
+    data_start: int
+    nbytes: int
+    dtype: torch.dtype
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+
+
+def read_items(
+    items: list[ItemRead], planner: LoadPlanner, sidecar: Optional[Sidecar], decode: Callable[[ItemRead], None],
+    threads: int = THREADS,
+) -> None:
+    """Read every item into its target; objects go to `planner.load_bytes`, and items whose
+    layout is not understood are read whole and handed to `decode` (on this thread). Every path
+    and range must have been checked. A failure before the first byte reaches a target raises
+    CheckpointError; one after, PartialLoadError."""
+    fds: dict[str, int] = {}
+    try:
+        for path in sorted({item.path for item in items}):
+            try:
+                fds[path] = os.open(path, os.O_RDONLY)
+            except OSError as exc:
+                raise CheckpointError(f"{path}: cannot open ({exc.strerror or exc})") from None
+        with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="asyncckpt-load") as pool:
+            layouts = list(pool.map(lambda item: tensor_layout(item, fds[item.path]), items))
+            segments: list[Segment] = []
+            for item, layout in zip(items, layouts):
+                if layout is None:
+                    item.data = bytearray(item.length)
+                    segments.append(Segment(item, 0, item.start, item.length, memoryview(item.data)))
+                else:
+                    segments += _tensor_segments(item, layout)
+            pieces = _coalesce(sorted(segments, key=lambda s: (s.item.path, s.offset)))
+            _run(pool, fds, pieces, sidecar.checksum if sidecar is not None else None)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    if sidecar is not None:
+        for item in items:
+            _check_crc(item, sidecar)
+    for item in items:  # every read succeeded and matched its checksum
+        if item.req.type == LoadItemType.BYTE_IO:
+            planner.load_bytes(item.req, io.BytesIO(item.data))
+        elif item.data is not None:
+            decode(item)
+        else:
+            planner.commit_tensor(item.req, item.target)
+
+
+def tensor_layout(item: ItemRead, fd: int) -> Optional[StoredTensor]:
+    """Where the tensor bytes of `item` lie: a raw item is C-contiguous; a torch_save item is
+    parsed from its archive. None: read it whole (an object, or not a plain one-tensor archive)."""
+    if item.req.type == LoadItemType.BYTE_IO or item.dtype is None:
+        return None
+    if not item.torch_save:
+        if item.length != _numel(item.chunk) * item.dtype.itemsize:
+            raise CheckpointError(
+                f"{item.name}: {item.length} bytes stored, {_numel(item.chunk) * item.dtype.itemsize} expected "
+                f"for {item.dtype} {list(item.chunk)}"
+            )
+        return StoredTensor(item.start, item.length, item.dtype, item.chunk, _contiguous_strides(item.chunk))
+    try:
+        record = locate_tensor(lambda offset, n: _pread(fd, item, item.start + offset, n), item.length, item.dtype)
+    except ArchiveError:
+        return None
+    if record.size != item.chunk or not _dense(record):
+        return None
+    return StoredTensor(item.start + record.data_start, record.nbytes, item.dtype, record.size, record.stride)
+
+
+def _pread(fd: int, item: ItemRead, offset: int, n: int) -> bytes:
+    data = os.pread(fd, n, offset)
+    if len(data) != n:
+        raise CheckpointError(f"{item.name}: the file ends at byte {offset + len(data)}, inside the item (truncated)")
+    return data
+
+
+def _dense(record: TensorRecord) -> bool:
+    """Whether the storage holds exactly the tensor's elements, in some order of its dims."""
+    if record.storage_offset != 0 or record.storage_numel != _numel(record.size):
+        return False
+    return _storage_order(record.size, record.stride) is not None
+
+
+def _storage_order(size: tuple[int, ...], stride: tuple[int, ...]) -> Optional[list[int]]:
+    """The dims from outermost to innermost in memory, if the tensor is dense in that order."""
+    order = sorted((d for d in range(len(size)) if size[d] > 1), key=lambda d: -stride[d])
+    order += [d for d in range(len(size)) if size[d] <= 1]
+    expected = 1
+    for d in reversed(order):
+        if size[d] > 1 and stride[d] != expected:
+            return None
+        expected *= size[d]
+    return order
+
+
+def _contiguous_strides(size: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for dim in reversed(size):
+        strides.append(step)
+        step *= max(dim, 1)
+    return tuple(reversed(strides))
+
+
+def _numel(size) -> int:
+    n = 1
+    for dim in size:
+        n *= dim
+    return n
+
+
+def _tensor_segments(item: ItemRead, layout: StoredTensor) -> list[Segment]:
+    """Framing before and after the data to scratch; the data straight into the target, or in
+    slabs of rows through the thread's buffer."""
+    target, req = item.target, item.req
+    head = layout.data_start - item.start
+    tail = item.start + item.length - layout.data_start - layout.nbytes
+    segments = [Segment(item, 0, item.start, head, memoryview(bytearray(head)))] if head else []
+    whole = all(o == 0 for o in req.storage_offsets) and tuple(req.lengths) == layout.size
+    direct = (
+        whole and target.dtype == layout.dtype and target.device.type == "cpu" and target.is_contiguous()
+        and layout.stride == _contiguous_strides(layout.size) or whole and layout.nbytes == 0
+    )
+    if direct:
+        memory = _memory_of(target, layout.nbytes)
+        for begin in range(0, layout.nbytes, PIECE_BYTES):
+            end = min(begin + PIECE_BYTES, layout.nbytes)
+            segments.append(Segment(item, len(segments), layout.data_start + begin, end - begin, memory[begin:end]))
+    else:
+        segments += _slab_segments(item, layout, len(segments))
+    if tail:
+        segments.append(Segment(item, len(segments), item.start + item.length - tail, tail, memoryview(bytearray(tail))))
+    return segments
+
+
+def _memory_of(tensor: torch.Tensor, nbytes: int) -> memoryview:
+    """The bytes of a contiguous CPU tensor, writable (any dtype, the tensor kept alive by the caller)."""
+    if nbytes == 0:
+        return memoryview(b"")
+    return memoryview((ctypes.c_ubyte * nbytes).from_address(tensor.data_ptr())).cast("B")
+
+
+def _slab_segments(item: ItemRead, layout: StoredTensor, first_order: int) -> list[Segment]:
+    """The data of a tensor that cannot be read in place, as slabs of its outermost stored dim
+    (up to PIECE_BYTES each, at least one row), each copied into the part of the target it covers."""
+    size = layout.size or (1,)
+    stride = layout.stride or (1,)
+    order = _storage_order(size, stride)
+    stored_shape = [size[d] for d in order]
+    row_bytes = _numel(stored_shape[1:]) * layout.dtype.itemsize
+    rows_per_slab = max(1, PIECE_BYTES // max(row_bytes, 1))
+    segments = []
+    for first in range(0, stored_shape[0], rows_per_slab):
+        rows = min(rows_per_slab, stored_shape[0] - first)
+        copy = _slab_copy(item, layout, order, stored_shape, first, rows)
+        segments.append(
+            Segment(item, first_order + len(segments), layout.data_start + first * row_bytes, rows * row_bytes, copy=copy)
+        )
+    return segments
+
+
+def _slab_copy(item: ItemRead, layout: StoredTensor, order, stored_shape, first: int, rows: int):
+    """Copies rows [first, first + rows) of the outermost stored dim from a buffer into the target."""
+    req = item.req
+    offsets = list(req.storage_offsets) or [0]
+    lengths = list(req.lengths) or [1]
+    outer = order[0]
+    lo, hi = max(first, offsets[outer]), min(first + rows, offsets[outer] + lengths[outer])
+    if lo >= hi:
+        return None  # read for the checksum only
+    inverse = [order.index(d) for d in range(len(order))]
+
+    def copy(buffer: torch.Tensor) -> None:
+        src = buffer.view(layout.dtype).view([rows] + stored_shape[1:]).permute(inverse)
+        dst = item.target if item.target.dim() else item.target.view(1)
+        for d in range(len(order)):
+            if d == outer:
+                src, dst = src.narrow(d, lo - first, hi - lo), dst.narrow(d, lo - offsets[d], hi - lo)
+            else:
+                src = src.narrow(d, offsets[d], lengths[d])
+        dst.copy_(src)
+
+    return copy
+
+
+def _coalesce(segments: list[Segment]) -> list[Piece]:
+    """Adjacent in-place segments of one file share a preadv, up to PIECE_BYTES and IOV_MAX."""
+    pieces: list[Piece] = []
+    for seg in segments:
+        last = pieces[-1] if pieces else None
+        if (
+            last is not None and seg.dest is not None and last.segments[-1].dest is not None
+            and last.path == seg.item.path and last.offset + last.nbytes == seg.offset
+            and last.nbytes + seg.length <= PIECE_BYTES and len(last.segments) < _IOV_MAX
+        ):
+            last.segments.append(seg)
+        else:
+            pieces.append(Piece(seg.item.path, seg.offset, [seg]))
+    return pieces
+
+
+def _run(pool: ThreadPoolExecutor, fds: dict[str, int], pieces: list[Piece], checksum: Optional[Callable]) -> None:
+    """Read every piece on the pool; the first failure cancels what has not started."""
+    local = threading.local()  # each thread's buffer, freed with the pool
+    futures = [pool.submit(_read_piece, fds[p.path], p, local, checksum) for p in pieces]
+    _, pending = wait(futures, return_when=FIRST_EXCEPTION)
+    for future in pending:
+        future.cancel()
+    wait(futures)
+    for future in futures:
+        if not future.cancelled() and future.exception() is not None:
+            raise future.exception()
+
+
+def _read_piece(fd: int, piece: Piece, local: threading.local, checksum: Optional[Callable]) -> None:
+    if piece.segments[0].dest is None:  # one slab through this thread's buffer
+        seg = piece.segments[0]
+        buffer = getattr(local, "buffer", None)
+        if buffer is None or buffer.numel() < seg.length:
+            buffer = local.buffer = torch.empty(max(seg.length, PIECE_BYTES), dtype=torch.uint8)
+        view = buffer[: seg.length]
+        _preadv_all(fd, [memoryview(view.numpy())], piece.offset, seg)
+        _record_crc(seg.item, seg.order, [view.numpy()], checksum)
+        if seg.copy is not None:
+            seg.copy(view)
+        return
+    _preadv_all(fd, [s.dest for s in piece.segments], piece.offset, piece.segments[0])
+    run: list[Segment] = []
+    for seg in piece.segments + [None]:
+        if run and (seg is None or seg.item is not run[0].item):
+            _record_crc(run[0].item, run[0].order, [s.dest for s in run], checksum)
+            run = []
+        if seg is not None:
+            run.append(seg)
+
+
+def _preadv_all(fd: int, buffers: list[memoryview], offset: int, first: Segment) -> None:
+    """preadv until every buffer is full; a file that ends first is a truncated item."""
+    buffers = [b for b in buffers if len(b)]
+    while buffers:
+        try:
+            n = os.preadv(fd, buffers, offset)
+        except OSError as exc:
+            raise PartialLoadError(f"{first.item.name}: read failed at byte {offset} ({exc.strerror or exc})") from None
+        if n == 0:
+            raise PartialLoadError(f"{first.item.name}: the file ends at byte {offset}, inside the item (truncated)")
+        offset += n
+        while buffers and n >= len(buffers[0]):
+            n -= len(buffers[0])
+            buffers.pop(0)
+        if n:
+            buffers[0] = buffers[0][n:]
+
+
+def _record_crc(item: ItemRead, order: int, buffers, checksum: Optional[Callable]) -> None:
+    """The checksum of one item's consecutive segments, computed on the thread that read them."""
+    if item.expected_crc is None or checksum is None:
+        return
+    crc, length = 0, 0
+    for buf in buffers:
+        crc = checksum(buf, crc)
+        length += len(buf)
+    item.partial_crcs.append((order, crc, length))  # list.append is atomic: threads share the item
+
+
+def _check_crc(item: ItemRead, sidecar: Sidecar) -> None:
+    if item.expected_crc is None:
+        return
+    crc = None
+    for _, part, length in sorted(item.partial_crcs):
+        crc = part if crc is None else sidecar.combine(crc, part, length)
+    if (crc or 0) != item.expected_crc:
+        raise PartialLoadError(f"{item.name}: checksum mismatch (the data file is damaged)")
