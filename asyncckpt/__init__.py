@@ -15,6 +15,7 @@ _PUBLIC = {  # name -> the module that defines it
     "CheckpointError": "errors",
     "CheckpointInfo": "loading",
     "CheckpointTimeoutError": "errors",
+    "PartialLoadError": "errors",
     "SaveReport": "report",
     "WorkerDiedError": "errors",
     "async_save": "torch_dcp",

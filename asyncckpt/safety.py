@@ -104,11 +104,16 @@ def check_relative_path(storage: Storage, directory: str, relative_path: str) ->
     return full
 
 
-def check_range(path: str, what: str, offset: int, length: int, size: int) -> None:
-    """A byte range named by the metadata must lie inside its file."""
-    if offset + length > size:
+def check_ranges(path: str, ranges: list[tuple[str, int, int]], size: int) -> None:
+    """Byte ranges (what, offset, length) named by the metadata must lie inside their file of
+    `size` bytes; the error names every item that does not (a truncated file loses several)."""
+    past = [(what, offset, length) for what, offset, length in ranges if offset + length > size]
+    if past:
+        what, offset, length = past[0]
+        more = f" (and {len(past) - 1} more: {', '.join(p[0] for p in past[1:6])}{' ...' if len(past) > 6 else ''})"
         raise CheckpointError(
             f"{path}: {what} claims bytes {offset}..{offset + length}, past the end of the file ({size} bytes)"
+            + (more if len(past) > 1 else "")
         )
 
 

@@ -1,0 +1,212 @@
+"""`SafeReader`: a DCP StorageReader for checkpoints nobody here wrote, and the planner it needs.
+
+Every path and byte range is checked before anything is read; `.metadata` is unpickled by a
+restricted unpickler and objects with `weights_only=True` (see safety.py). Local checkpoints are
+read by the parallel reader (reader.py); object stores item by item.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+from typing import Any, Optional
+
+from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed.checkpoint import DefaultLoadPlanner, StorageReader
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.filesystem import _StorageReaderTransforms
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.futures import Future
+
+from .errors import CheckpointError
+from .formats import Sidecar, is_safetensors_file
+from .reader import ItemRead, read_items
+from .safety import TRUST_HINT, check_ranges, check_relative_path, load_metadata, load_object, load_tensor, raw_tensor
+from .storage import LocalStorage, storage_for
+from .verify import find_sidecar, read_sidecar, sidecar_belongs_to
+
+log = logging.getLogger(__name__)
+
+METADATA_FILE = ".metadata"
+
+
+def read_metadata(path: str, *, trusted: bool = False, name: str = METADATA_FILE) -> Metadata:
+    """A checkpoint's DCP metadata, unpickled safely (see safety.py), every file it names
+    checked to lie inside `path`."""
+    storage = storage_for(path)
+    source = storage.join(path, name)
+    metadata = load_metadata(storage.read_bytes(source), source, trusted)
+    for relative_path in {info.relative_path for info in (metadata.storage_data or {}).values()}:
+        check_relative_path(storage, path, relative_path)
+    return metadata
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, but objects are unpickled with `weights_only=True` unless
+    trusted (the stock planner unpickles them fully)."""
+
+    def __init__(self, trusted: bool = False) -> None:
+        super().__init__()
+        self.trusted = trusted
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        fqn = read_item.dest_index.fqn
+        obj = load_object(value.getvalue(), self.trusted, f"object {fqn!r}")
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[fqn], obj)
+        else:
+            self.state_dict[fqn] = obj
+
+
+class SafeReader(StorageReader):
+    """A DCP StorageReader for checkpoints nobody here wrote, on any asyncckpt storage (local,
+    msc://, s3://). It reads what stock FileSystemReader reads (torch.save items, stream
+    transforms) and asyncckpt's raw safetensors items; every path and byte range is checked
+    before it is read. Objects need `SafeLoadPlanner` unless `trusted=True`."""
+
+    def __init__(self, path: str, *, trusted: bool = False) -> None:
+        super().__init__()
+        self.trusted = trusted
+        self._transforms = _StorageReaderTransforms()
+        self.reset(path)
+
+    def reset(self, checkpoint_id=None) -> None:
+        if checkpoint_id is not None:
+            self.path = str(checkpoint_id)
+            self.storage = storage_for(self.path)
+        self.metadata: Optional[Metadata] = None
+        self.touched = False  # whether read_data began writing into the caller's state
+        self.checksums: dict[tuple[str, int, int], int] = {}
+        self.sidecar: Optional[Sidecar] = None
+
+    @property
+    def checkpoint_id(self) -> str:
+        return self.path
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id) -> bool:
+        return isinstance(checkpoint_id, str)
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        rank = kwargs.get("rank")  # DCP asks for __{rank}.metadata when .metadata is missing
+        name = METADATA_FILE if rank is None else f"__{rank}{METADATA_FILE}"
+        return read_metadata(self.path, trusted=self.trusted, name=name)
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if metadata.storage_data is None:
+            raise CheckpointError(f"{self.path}: {METADATA_FILE} has no storage_data")
+        self.metadata = metadata
+        self.checksums = self._load_checksums()
+
+    def _load_checksums(self) -> dict[tuple[str, int, int], int]:
+        """(file, offset, length) -> checksum from the sidecar, so every item is checked as it is
+        read (no second pass over the data). Checkpoints without a sidecar load unchecked."""
+        path = find_sidecar(self.storage, self.path, self.metadata)
+        if path is None:
+            return {}
+        sidecar = read_sidecar(self.storage, self.path, path)
+        if not sidecar_belongs_to(sidecar, self.metadata):
+            log.warning("%s belongs to another save of this step (an interrupted re-save); loading unchecked", path)
+            return {}
+        self.sidecar = sidecar
+        return {(e.relative_path, e.start, e.length): e.crc32 for e in sidecar.items}
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        if not self.trusted and not isinstance(planner, SafeLoadPlanner):
+            if any(req.type == LoadItemType.BYTE_IO for req in plan.items):
+                raise CheckpointError(f"{self.path}: objects are unpickled by the planner: use SafeLoadPlanner, or {TRUST_HINT}")
+        per_file: dict[str, list[ReadItem]] = {}
+        for req in plan.items:
+            per_file.setdefault(self.metadata.storage_data[req.storage_index].relative_path, []).append(req)
+        files = {relative_path: check_relative_path(self.storage, self.path, relative_path) for relative_path in per_file}
+        for relative_path, reqs in per_file.items():  # every range checked before anything is read
+            size = self._file_size(files[relative_path], reqs)
+            ranges = [(_item_name(r), self.metadata.storage_data[r.storage_index].offset,
+                       self.metadata.storage_data[r.storage_index].length) for r in reqs]
+            check_ranges(files[relative_path], sorted(ranges, key=lambda r: r[1]), size)
+        if isinstance(self.storage, LocalStorage):
+            items = [self._item_read(files[info_path], req, planner) for info_path, reqs in per_file.items() for req in reqs]
+            decode = lambda item: self._place(item.path, item.req, bytes(item.data), planner)  # noqa: E731
+            self.touched = True
+            read_items(items, planner, self.sidecar if self.checksums else None, decode)
+        else:
+            self.touched = True
+            for relative_path, reqs in per_file.items():
+                for req in reqs:
+                    self._read_item(files[relative_path], req, planner)
+        done: Future = Future()
+        done.set_result(None)
+        return done
+
+    def _file_size(self, file: str, reqs: list[ReadItem]) -> int:
+        try:
+            return self.storage.size(file)
+        except OSError as exc:
+            names = ", ".join(_item_name(req) for req in reqs[:10]) + (" ..." if len(reqs) > 10 else "")
+            raise CheckpointError(f"{file}: cannot read it ({exc.strerror or exc}); it holds {len(reqs)} items: {names}") from None
+
+    def _item_read(self, file: str, req: ReadItem, planner: LoadPlanner) -> ItemRead:
+        """What the parallel reader needs of one item (its target resolved here, on this thread)."""
+        info = self.metadata.storage_data[req.storage_index]
+        expected_crc = self.checksums.get((info.relative_path, info.offset, info.length))
+        item = ItemRead(req, file, f"{file}: {_item_name(req)}", info.offset, info.length, expected_crc)
+        if req.type != LoadItemType.BYTE_IO and not info.transform_descriptors:
+            item.dtype, item.chunk = self._chunk_layout(req)
+            item.torch_save = not is_safetensors_file(info.relative_path)
+            item.target = planner.resolve_tensor(req).detach()
+            if tuple(item.target.size()) != tuple(req.lengths):
+                raise CheckpointError(f"{item.name}: target size {tuple(item.target.size())} != {tuple(req.lengths)} read")
+        return item
+
+    def _read_item(self, file: str, req: ReadItem, planner: LoadPlanner) -> None:
+        info = self.metadata.storage_data[req.storage_index]
+        data = self.storage.read_bytes(file, info.offset, info.length)
+        what = f"{file}: {_item_name(req)}"
+        if len(data) != info.length:
+            raise CheckpointError(f"{what} is truncated ({len(data)} of {info.length} bytes)")
+        expected_crc = self.checksums.get((info.relative_path, info.offset, info.length))
+        if expected_crc is not None and self.sidecar.checksum(data) != expected_crc:
+            raise CheckpointError(f"{what}: checksum mismatch (the data file is damaged)")
+        self._place(file, req, data, planner)
+
+    def _place(self, file: str, req: ReadItem, data: bytes, planner: LoadPlanner) -> None:
+        """Decode one item's checked bytes and put the result in the state dict."""
+        info = self.metadata.storage_data[req.storage_index]
+        what = f"{file}: {_item_name(req)}"
+        if info.transform_descriptors:
+            data = self._transforms.transform_load_stream(req, info.transform_descriptors, io.BytesIO(data)).read()
+        if req.type == LoadItemType.BYTE_IO:
+            planner.load_bytes(req, io.BytesIO(data))
+            return
+        if is_safetensors_file(info.relative_path):
+            tensor = raw_tensor(data, *self._chunk_layout(req), what)
+        else:
+            tensor = load_tensor(data, what)
+        tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
+        target = planner.resolve_tensor(req).detach()
+        if target.size() != tensor.size():
+            raise CheckpointError(f"{what}: stored size {tuple(tensor.size())} != target {tuple(target.size())}")
+        target.copy_(tensor)
+        planner.commit_tensor(req, target)
+
+    def _chunk_layout(self, req: ReadItem):
+        """dtype and shape of a raw item, which only the metadata records."""
+        meta = self.metadata.state_dict_metadata.get(req.storage_index.fqn)
+        if isinstance(meta, TensorStorageMetadata):
+            for chunk in meta.chunks:
+                if tuple(chunk.offsets) == tuple(req.storage_index.offset or ()):
+                    return meta.properties.dtype, tuple(chunk.sizes)
+        raise CheckpointError(f"{self.path}: no chunk in {METADATA_FILE} for {req.storage_index}")
+
+
+def _item_name(req: ReadItem) -> str:
+    """An item as errors name it: its fqn, with the chunk's offsets for a tensor."""
+    offset = req.storage_index.offset
+    return req.storage_index.fqn if offset is None else f"{req.storage_index.fqn}{list(offset)}"
