@@ -8,6 +8,7 @@ bytes); `.metadata` points at each tensor's raw byte range, and `loading.SafeRea
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import struct
@@ -189,17 +190,23 @@ def _multiply_mod(a: int, b: int, poly: int) -> int:
     return p
 
 
-def crc_combine(algorithm: str, crc1: int, crc2: int, length2: int) -> int:
-    """The checksum of A + B from those of A and B (B `length2` bytes long), so that pieces of
-    one item read on different threads are checked without a second pass (zlib's crc32_combine)."""
-    poly = _POLYNOMIALS[algorithm]
-    power, square, n = 1 << 31, 1 << 30, 8 * length2  # x^0, x^1: reflected
+@functools.lru_cache(maxsize=256)  # pieces mostly share a few lengths
+def _shift_power(poly: int, length: int) -> int:
+    """x^(8 * length) modulo the polynomial: what appending `length` bytes multiplies a CRC by."""
+    power, square, n = 1 << 31, 1 << 30, 8 * length  # x^0, x^1: reflected
     while n:
         if n & 1:
             power = _multiply_mod(square, power, poly)
         square = _multiply_mod(square, square, poly)
         n >>= 1
-    return _multiply_mod(power, crc1, poly) ^ crc2
+    return power
+
+
+def crc_combine(algorithm: str, crc1: int, crc2: int, length2: int) -> int:
+    """The checksum of A + B from those of A and B (B `length2` bytes long), so that pieces of
+    one item read on different threads are checked without a second pass (zlib's crc32_combine)."""
+    poly = _POLYNOMIALS[algorithm]
+    return _multiply_mod(_shift_power(poly, length2), crc1, poly) ^ crc2
 
 
 @dataclass(frozen=True)

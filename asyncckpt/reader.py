@@ -30,7 +30,8 @@ from .archive import ArchiveError, TensorRecord, locate_tensor
 from .errors import CheckpointError, PartialLoadError
 from .formats import Sidecar
 
-PIECE_BYTES = 16 << 20  # one preadv; also the size of each thread's buffer for copied tensors
+PIECE_BYTES = 16 << 20  # one task of a thread; also the size of each thread's buffer for copied tensors
+STEP_BYTES = 1 << 20  # one preadv inside a piece: checksummed right after, while in the CPU cache
 THREADS = min(16, max(4, os.cpu_count() or 4))
 _IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024)
 
@@ -297,25 +298,42 @@ def _run(pool: ThreadPoolExecutor, fds: dict[str, int], pieces: list[Piece], che
 
 
 def _read_piece(fd: int, piece: Piece, local: threading.local, checksum: Optional[Callable]) -> None:
-    if piece.segments[0].dest is None:  # one slab through this thread's buffer
-        seg = piece.segments[0]
-        buffer = getattr(local, "buffer", None)
-        if buffer is None or buffer.numel() < seg.length:
-            buffer = local.buffer = torch.empty(max(seg.length, PIECE_BYTES), dtype=torch.uint8)
-        view = buffer[: seg.length]
-        _preadv_all(fd, [memoryview(view.numpy())], piece.offset, seg)
-        _record_crc(seg.item, seg.order, [view.numpy()], checksum)
-        if seg.copy is not None:
-            seg.copy(view)
+    if piece.segments[0].dest is not None:
+        _read_checked(fd, piece.offset, [(s, s.dest) for s in piece.segments], checksum)
         return
-    _preadv_all(fd, [s.dest for s in piece.segments], piece.offset, piece.segments[0])
-    run: list[Segment] = []
-    for seg in piece.segments + [None]:
-        if run and (seg is None or seg.item is not run[0].item):
-            _record_crc(run[0].item, run[0].order, [s.dest for s in run], checksum)
-            run = []
-        if seg is not None:
-            run.append(seg)
+    seg = piece.segments[0]  # one slab through this thread's buffer, then into the target
+    buffer = getattr(local, "buffer", None)
+    if buffer is None or buffer.numel() < seg.length:
+        buffer = local.buffer = torch.empty(max(seg.length, PIECE_BYTES), dtype=torch.uint8)
+    view = buffer[: seg.length]
+    _read_checked(fd, piece.offset, [(seg, memoryview(view.numpy()))], checksum)
+    if seg.copy is not None:
+        seg.copy(view)
+
+
+def _read_checked(fd: int, offset: int, parts: list[tuple[Segment, memoryview]], checksum: Optional[Callable]) -> None:
+    """Read `parts` (laid end to end from `offset`) STEP_BYTES per preadv, checksumming each step
+    while it is still in the CPU cache; each item's run of bytes gives one partial checksum."""
+    chunks = [(seg, mem[i:i + STEP_BYTES]) for seg, mem in parts for i in range(0, len(mem), STEP_BYTES)]
+    run: Optional[list] = None  # [segment that began it, crc, length]
+    while chunks:
+        window, size = [], 0
+        while chunks and (not window or size + len(chunks[0][1]) <= STEP_BYTES):
+            window.append(chunks.pop(0))
+            size += len(window[-1][1])
+        _preadv_all(fd, [mem for _, mem in window], offset, window[0][0])
+        offset += size
+        for seg, mem in window:
+            if run is not None and run[0].item is not seg.item:
+                _record_crc(run, checksum)
+                run = None
+            if run is None:
+                run = [seg, 0, 0]
+            if checksum is not None and seg.item.expected_crc is not None:
+                run[1] = checksum(mem, run[1])
+            run[2] += len(mem)
+    if run is not None:
+        _record_crc(run, checksum)
 
 
 def _preadv_all(fd: int, buffers: list[memoryview], offset: int, first: Segment) -> None:
@@ -336,15 +354,10 @@ def _preadv_all(fd: int, buffers: list[memoryview], offset: int, first: Segment)
             buffers[0] = buffers[0][n:]
 
 
-def _record_crc(item: ItemRead, order: int, buffers, checksum: Optional[Callable]) -> None:
-    """The checksum of one item's consecutive segments, computed on the thread that read them."""
-    if item.expected_crc is None or checksum is None:
-        return
-    crc, length = 0, 0
-    for buf in buffers:
-        crc = checksum(buf, crc)
-        length += len(buf)
-    item.partial_crcs.append((order, crc, length))  # list.append is atomic: threads share the item
+def _record_crc(run: list, checksum: Optional[Callable]) -> None:
+    seg, crc, length = run
+    if checksum is not None and seg.item.expected_crc is not None:
+        seg.item.partial_crcs.append((seg.order, crc, length))  # list.append is atomic: threads share items
 
 
 def _check_crc(item: ItemRead, sidecar: Sidecar) -> None:

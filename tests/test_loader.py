@@ -189,3 +189,15 @@ def test_damaged_checkpoint_raises_naming_file_and_item_and_the_state_left(saved
         assert not isinstance(raised.value, PartialLoadError), message
         assert "nothing in state_dict was changed" in message, message
         assert_bitwise_equal(target, fresh_target(source, fill=SENTINEL))
+
+
+@pytest.mark.parametrize("algorithm", ["crc32c", "crc32"])
+def test_checksums_of_pieces_combine_into_the_items(algorithm):
+    """Pieces of one item are checksummed on different threads and combined."""
+    from asyncckpt.formats import CHECKSUM_FUNCTIONS, crc_combine
+
+    crc = CHECKSUM_FUNCTIONS[algorithm]
+    data = bytes(random_tensor(torch.uint8, (10_000,), 5))
+    for cut in (0, 1, 4096, 9_999, 10_000):
+        a, b = data[:cut], data[cut:]
+        assert crc_combine(algorithm, crc(a), crc(b), len(b)) == crc(data)

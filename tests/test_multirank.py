@@ -20,6 +20,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+import asyncckpt
 from asyncckpt import AsyncCheckpointer, CheckpointConfig, CheckpointError
 from asyncckpt.ranks import collective_timeout_s
 from conftest import STRESS
@@ -71,18 +72,20 @@ def _save_steps(rank: int, world: int, root: str, steps: list[int], out: str) ->
 
 
 def _load_resharded(rank: int, world: int, path: str, step: int) -> None:
-    """Stock dcp.load into a different sharding (Shard(1)) and possibly a different world size."""
+    """Stock dcp.load and asyncckpt.load (each rank reading only the items its shard overlaps,
+    in parallel) into a different sharding (Shard(1)) and possibly a different world size."""
     mesh = init_device_mesh("cpu", (world,))
-    target = {
-        "replicated": {"w": torch.zeros(64), "scale": torch.tensor(0.0)},
-        "sharded": distribute_tensor(torch.zeros(ROWS, COLS), mesh, [Shard(1)]),
-        "meta": {"step": -1},
-    }
-    dcp.load(target, checkpoint_id=path)
-    assert torch.equal(target["sharded"].full_tensor(), full_matrix(step))
-    assert torch.equal(target["replicated"]["w"], torch.linspace(0, 1, 64) + step)
-    assert torch.equal(target["replicated"]["scale"], torch.tensor(2.0 + step))
-    assert target["meta"]["step"] == step
+    for load in (lambda target: dcp.load(target, checkpoint_id=path), lambda target: asyncckpt.load(target, path)):
+        target = {
+            "replicated": {"w": torch.zeros(64), "scale": torch.tensor(0.0)},
+            "sharded": distribute_tensor(torch.zeros(ROWS, COLS), mesh, [Shard(1)]),
+            "meta": {"step": -1},
+        }
+        load(target)
+        assert torch.equal(target["sharded"].full_tensor(), full_matrix(step))
+        assert torch.equal(target["replicated"]["w"], torch.linspace(0, 1, 64) + step)
+        assert torch.equal(target["replicated"]["scale"], torch.tensor(2.0 + step))
+        assert target["meta"]["step"] == step
 
 
 @pytest.mark.timeout(600)  # two run_ranks: 4 ranks save, 2 ranks load
@@ -260,7 +263,8 @@ def test_a_process_group_that_cannot_carry_cpu_collectives_is_refused(tmp_path):
     script = textwrap.dedent(f'''
         import torch.distributed as dist
         from torch.testing._internal.distributed.fake_pg import FakeStore
-        from asyncckpt import AsyncCheckpointer, CheckpointError
+        import asyncckpt
+from asyncckpt import AsyncCheckpointer, CheckpointError
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
         try:
             AsyncCheckpointer({str(tmp_path / "ckpt")!r}, process_group=dist.group.WORLD)

@@ -1,0 +1,220 @@
+"""Side-by-side load benchmark: asyncckpt.load against what a user would otherwise resume with.
+
+One state (bench_save.build_state: float32/bf16 tensors of mixed sizes plus small items), saved
+once per format to the same disk, then loaded in one process run, each method cold (every file
+fsynced and its pages dropped with posix_fadvise(DONTNEED)) and warm (just read once):
+
+  raw sequential read          the asyncckpt checkpoint's data files, 8 MiB reads, one thread (disk ceiling)
+  torch.load                   a torch.save file of the state
+  dcp.load (asyncckpt files)   stock dcp.load on an asyncckpt checkpoint (torch_save format)
+  dcp.load (dcp.save files)    stock dcp.load on a dcp.save checkpoint
+  asyncckpt.load               asyncckpt.load on an asyncckpt checkpoint (torch_save, safetensors)
+  asyncckpt.load (dcp.save)    asyncckpt.load on the dcp.save checkpoint
+
+Loads go into preallocated tensors (torch.load allocates its own). Figures per load: seconds,
+GB/s of tensor bytes, and peak extra PSS (this process and its children, sampled by
+pss_sampler.py) over the PSS before the load.
+
+    python benchmarks/bench_load.py --size-mb 512 --out bench_out/bench_load.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+import warnings
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_save import PeakSampler, build_state, family_pss, state_tensors  # noqa: E402
+
+import asyncckpt  # noqa: E402
+from asyncckpt import AsyncCheckpointer, CheckpointConfig  # noqa: E402
+from asyncckpt.reader import PIECE_BYTES, THREADS  # noqa: E402
+
+MiB = 1 << 20
+RAW_CHUNK = 8 * MiB
+
+
+@dataclass
+class LoadResult:
+    method: str
+    cold_s: Optional[float] = None
+    warm_s: Optional[float] = None
+    cold_extra_mib: Optional[float] = None
+    warm_extra_mib: Optional[float] = None
+    error: Optional[str] = None
+
+
+def files_under(path: str) -> list[str]:
+    if os.path.isfile(path):
+        return [path]
+    return sorted(os.path.join(d, f) for d, _, names in os.walk(path) for f in names)
+
+
+def drop_cache(path: str) -> None:
+    """fsync every file under `path` and drop its pages from the page cache."""
+    for file in files_under(path):
+        fd = os.open(file, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def empty_like_state(state: dict[str, Any]) -> dict[str, Any]:
+    """A target of the same structure: tensors allocated and touched, objects to be replaced."""
+    target = {k: (v if not isinstance(v, (list, dict, str, int)) else None) for k, v in state.items()}
+    target["model"] = {k: torch.zeros_like(v) for k, v in state["model"].items()}
+    target["optim"] = {k: torch.zeros_like(v) for k, v in state["optim"].items()}
+    target["extra"] = {k: None for k in state["extra"]}
+    return target
+
+
+def raw_read(path: str) -> None:
+    buffer = bytearray(RAW_CHUNK)
+    view = memoryview(buffer)
+    for file in files_under(path):
+        if os.path.basename(file).startswith("."):
+            continue
+        with open(file, "rb", buffering=0) as f:
+            while f.readinto(view):
+                pass
+
+
+def check_equal(target: dict[str, Any], state: dict[str, Any]) -> None:
+    for group in ("model", "optim"):
+        for key, value in state[group].items():
+            if not torch.equal(target[group][key], value):
+                raise AssertionError(f"{group}.{key} loaded wrong")
+
+
+def measure(name: str, path: str, load: Callable[[], None]) -> LoadResult:
+    result = LoadResult(name)
+    try:
+        for mode in ("cold", "warm"):
+            if mode == "cold":
+                drop_cache(path)
+            else:
+                load()  # warms the page cache (and the method)
+            base = family_pss()
+            sampler = PeakSampler(interval_s=0.005)
+            sampler.start()
+            t0 = time.perf_counter()
+            load()
+            seconds = time.perf_counter() - t0
+            peak = sampler.stop().peak
+            setattr(result, f"{mode}_s", seconds)
+            setattr(result, f"{mode}_extra_mib", max(0, peak - base) / MiB)
+    except Exception as exc:  # a row that fails says why; the others still run
+        result.error = f"{type(exc).__name__}: {exc}"[:200]
+    print(f"  {name}: {result}", file=sys.stderr)
+    return result
+
+
+def render(results: list[LoadResult], state_bytes: int) -> str:
+    def cell(seconds: Optional[float]) -> str:
+        return "-" if seconds is None else f"{seconds:.3f} ({state_bytes / seconds / 1e9:.2f})"
+
+    def mib(value: Optional[float]) -> str:
+        return "-" if value is None else f"{value:.0f}"
+
+    header = f"{'method':<34} {'cold s (GB/s)':>15} {'warm s (GB/s)':>15} {'cold +MiB':>9} {'warm +MiB':>9}"
+    lines = [header, "-" * len(header)]
+    for r in results:
+        lines.append(
+            f"{r.method:<34} {cell(r.cold_s):>15} {cell(r.warm_s):>15} {mib(r.cold_extra_mib):>9} {mib(r.warm_extra_mib):>9}"
+            + (f"  {r.error}" if r.error else "")
+        )
+    return "\n".join(lines)
+
+
+def ratios(results: list[LoadResult]) -> dict[str, Optional[float]]:
+    by = {r.method: r for r in results}
+
+    def ratio(a: str, b: str, mode: str) -> Optional[float]:
+        x, y = getattr(by[a], f"{mode}_s", None), getattr(by[b], f"{mode}_s", None)
+        return None if not x or not y else x / y
+
+    return {  # the issue's acceptance figures
+        "cold: raw read time / asyncckpt.load time (>= 0.9)": ratio("raw sequential read", "asyncckpt.load", "cold"),
+        "warm: dcp.load / asyncckpt.load, same files (>= 3)": ratio("dcp.load (asyncckpt files)", "asyncckpt.load", "warm"),
+        "warm: dcp.load / asyncckpt.load, dcp.save files (>= 2)": ratio(
+            "dcp.load (dcp.save files)", "asyncckpt.load (dcp.save files)", "warm"),
+        "cold: dcp.load / asyncckpt.load, dcp.save files (>= 2)": ratio(
+            "dcp.load (dcp.save files)", "asyncckpt.load (dcp.save files)", "cold"),
+    }
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size-mb", type=int, default=512, help="tensor bytes of the state (default 512)")
+    parser.add_argument("--dir", default=None, help="where the checkpoints go (default: a temp dir under bench_out/)")
+    parser.add_argument("--out", default=None, help="write the results as JSON here")
+    args = parser.parse_args(argv)
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    os.makedirs("bench_out", exist_ok=True)
+    root = args.dir or tempfile.mkdtemp(prefix="bench_load-", dir="bench_out")
+    try:
+        state = build_state(args.size_mb * MiB)
+        state_bytes = sum(t.numel() * t.element_size() for t in state_tensors(state))
+        print(f"state: {len(state_tensors(state))} tensors, {state_bytes / MiB:.0f} MiB; saving ...", file=sys.stderr)
+        paths = {fmt: os.path.join(root, fmt) for fmt in ("torch_save", "safetensors")}
+        for fmt, path in paths.items():
+            with AsyncCheckpointer(config=CheckpointConfig(format=fmt)) as ckpt:
+                ckpt.schedule_save(state, checkpoint_dir=path)
+        paths["dcp"] = os.path.join(root, "dcp")
+        dcp.save(state, checkpoint_id=paths["dcp"], no_dist=True)
+        paths["torch"] = os.path.join(root, "state.pt")
+        torch.save(state, paths["torch"])
+        target = empty_like_state(state)
+
+        def dcp_load(path: str) -> Callable[[], None]:
+            return lambda: dcp.load(target, checkpoint_id=path, no_dist=True)
+
+        def ours(path: str) -> Callable[[], None]:
+            return lambda: asyncckpt.load(target, path, no_dist=True)
+
+        rows = [
+            ("raw sequential read", paths["torch_save"], lambda: raw_read(paths["torch_save"])),
+            ("torch.load", paths["torch"], lambda: torch.load(paths["torch"], weights_only=True)),
+            ("dcp.load (asyncckpt files)", paths["torch_save"], dcp_load(paths["torch_save"])),
+            ("dcp.load (dcp.save files)", paths["dcp"], dcp_load(paths["dcp"])),
+            ("asyncckpt.load", paths["torch_save"], ours(paths["torch_save"])),
+            ("asyncckpt.load (safetensors)", paths["safetensors"], ours(paths["safetensors"])),
+            ("asyncckpt.load (dcp.save files)", paths["dcp"], ours(paths["dcp"])),
+        ]
+        results = []
+        for name, path, load in rows:
+            results.append(measure(name, path, load))
+            if name.startswith(("dcp.load", "asyncckpt.load")):
+                check_equal(target, state)
+                target = empty_like_state(state)  # the next method starts from zeros again
+        table = render(results, state_bytes)
+        figures = ratios(results)
+        print(f"\nload, {state_bytes / MiB:.0f} MiB state, {len(state_tensors(state))} tensors, one run; "
+              f"asyncckpt: {THREADS} threads, {PIECE_BYTES // MiB} MiB reads\n{table}\n")
+        for text, value in figures.items():
+            print(f"{text}: {'-' if value is None else f'{value:.2f}'}")
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump({"state_bytes": state_bytes, "threads": THREADS, "piece_bytes": PIECE_BYTES,
+                           "results": [asdict(r) for r in results], "ratios": figures}, f, indent=1)
+    finally:
+        if args.dir is None:
+            shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
