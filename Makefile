@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv install test example example-ddp example-lightning bench bench-doors bench-lightning lint clean
+.PHONY: venv install test example example-ddp example-lightning bench bench-load bench-doors bench-lightning lint clean
 
 venv: $(STAMP)
 
@@ -39,6 +39,9 @@ example-lightning: venv
 
 bench: venv
 	$(PY) benchmarks/bench_save.py --out bench_out/bench.json --plot bench_out/bench.png
+
+bench-load: venv
+	$(PY) benchmarks/bench_load.py --size-mb 512 --out bench_out/bench_load.json
 
 bench-doors: venv
 	$(PY) benchmarks/bench_doors.py --out bench_out/bench_doors.json

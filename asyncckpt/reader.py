@@ -116,7 +116,7 @@ def read_items(
                 else:
                     segments += _tensor_segments(item, layout)
             pieces = _coalesce(sorted(segments, key=lambda s: (s.item.path, s.offset)))
-            _run(pool, fds, pieces, sidecar.checksum if sidecar is not None else None)
+            _run(pool, pieces, sidecar.checksum if sidecar is not None else None)
     finally:
         for fd in fds.values():
             os.close(fd)
@@ -284,20 +284,26 @@ def _coalesce(segments: list[Segment]) -> list[Piece]:
     return pieces
 
 
-def _run(pool: ThreadPoolExecutor, fds: dict[str, int], pieces: list[Piece], checksum: Optional[Callable]) -> None:
+def _run(pool: ThreadPoolExecutor, pieces: list[Piece], checksum: Optional[Callable]) -> None:
     """Read every piece on the pool; the first failure cancels what has not started."""
-    local = threading.local()  # each thread's buffer, freed with the pool
-    futures = [pool.submit(_read_piece, fds[p.path], p, local, checksum) for p in pieces]
-    _, pending = wait(futures, return_when=FIRST_EXCEPTION)
-    for future in pending:
-        future.cancel()
-    wait(futures)
+    local = threading.local()  # each thread's buffer and file descriptors, freed with the pool
+    opened: list[int] = []
+    try:
+        futures = [pool.submit(_read_piece, p, local, checksum, opened) for p in pieces]
+        _, pending = wait(futures, return_when=FIRST_EXCEPTION)
+        for future in pending:
+            future.cancel()
+        wait(futures)
+    finally:
+        for fd in opened:
+            os.close(fd)
     for future in futures:
         if not future.cancelled() and future.exception() is not None:
             raise future.exception()
 
 
-def _read_piece(fd: int, piece: Piece, local: threading.local, checksum: Optional[Callable]) -> None:
+def _read_piece(piece: Piece, local: threading.local, checksum: Optional[Callable], opened: list) -> None:
+    fd = _thread_fd(local, piece.path, opened)
     if piece.segments[0].dest is not None:
         _read_checked(fd, piece.offset, [(s, s.dest) for s in piece.segments], checksum)
         return
@@ -309,6 +315,16 @@ def _read_piece(fd: int, piece: Piece, local: threading.local, checksum: Optiona
     _read_checked(fd, piece.offset, [(seg, memoryview(view.numpy()))], checksum)
     if seg.copy is not None:
         seg.copy(view)
+
+
+def _thread_fd(local: threading.local, path: str, opened: list[int]) -> int:
+    """This thread's own descriptor of `path`: the kernel keeps readahead state per open file, and
+    threads reading different pieces through one descriptor would look like random reads."""
+    fds = local.__dict__.setdefault("fds", {})
+    if path not in fds:
+        fds[path] = os.open(path, os.O_RDONLY)
+        opened.append(fds[path])  # closed by _run (list.append is atomic)
+    return fds[path]
 
 
 def _read_checked(fd: int, offset: int, parts: list[tuple[Segment, memoryview]], checksum: Optional[Callable]) -> None:

@@ -11,9 +11,9 @@ fsynced and its pages dropped with posix_fadvise(DONTNEED)) and warm (just read 
   asyncckpt.load               asyncckpt.load on an asyncckpt checkpoint (torch_save, safetensors)
   asyncckpt.load (dcp.save)    asyncckpt.load on the dcp.save checkpoint
 
-Loads go into preallocated tensors (torch.load allocates its own). Figures per load: seconds,
-GB/s of tensor bytes, and peak extra PSS (this process and its children, sampled by
-pss_sampler.py) over the PSS before the load.
+Loads go into preallocated tensors (torch.load allocates its own). Figures: median seconds of
+--repeat loads, GB/s of tensor bytes, and the largest peak extra PSS (this process and its
+children, sampled by pss_sampler.py) over the PSS before the load.
 
     python benchmarks/bench_load.py --size-mb 512 --out bench_out/bench_load.json
 """
@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -99,23 +100,26 @@ def check_equal(target: dict[str, Any], state: dict[str, Any]) -> None:
                 raise AssertionError(f"{group}.{key} loaded wrong")
 
 
-def measure(name: str, path: str, load: Callable[[], None]) -> LoadResult:
+def measure(name: str, path: str, load: Callable[[], None], repeat: int) -> LoadResult:
+    """Median seconds of `repeat` cold and `repeat` warm loads; the largest extra PSS seen."""
     result = LoadResult(name)
     try:
         for mode in ("cold", "warm"):
-            if mode == "cold":
-                drop_cache(path)
-            else:
+            times, extra = [], 0
+            if mode == "warm":
                 load()  # warms the page cache (and the method)
-            base = family_pss()
-            sampler = PeakSampler(interval_s=0.005)
-            sampler.start()
-            t0 = time.perf_counter()
-            load()
-            seconds = time.perf_counter() - t0
-            peak = sampler.stop().peak
-            setattr(result, f"{mode}_s", seconds)
-            setattr(result, f"{mode}_extra_mib", max(0, peak - base) / MiB)
+            for _ in range(repeat):
+                if mode == "cold":
+                    drop_cache(path)
+                base = family_pss()
+                sampler = PeakSampler(interval_s=0.005)
+                sampler.start()
+                t0 = time.perf_counter()
+                load()
+                times.append(time.perf_counter() - t0)
+                extra = max(extra, sampler.stop().peak - base)
+            setattr(result, f"{mode}_s", statistics.median(times))
+            setattr(result, f"{mode}_extra_mib", max(0, extra) / MiB)
     except Exception as exc:  # a row that fails says why; the others still run
         result.error = f"{type(exc).__name__}: {exc}"[:200]
     print(f"  {name}: {result}", file=sys.stderr)
@@ -159,6 +163,7 @@ def ratios(results: list[LoadResult]) -> dict[str, Optional[float]]:
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size-mb", type=int, default=512, help="tensor bytes of the state (default 512)")
+    parser.add_argument("--repeat", type=int, default=3, help="loads per method and mode; the median is shown (default 3)")
     parser.add_argument("--dir", default=None, help="where the checkpoints go (default: a temp dir under bench_out/)")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
@@ -196,13 +201,14 @@ def main(argv: Optional[list[str]] = None) -> int:
         ]
         results = []
         for name, path, load in rows:
-            results.append(measure(name, path, load))
+            results.append(measure(name, path, load, args.repeat))
             if name.startswith(("dcp.load", "asyncckpt.load")):
                 check_equal(target, state)
                 target = empty_like_state(state)  # the next method starts from zeros again
         table = render(results, state_bytes)
         figures = ratios(results)
-        print(f"\nload, {state_bytes / MiB:.0f} MiB state, {len(state_tensors(state))} tensors, one run; "
+        print(f"\nload, {state_bytes / MiB:.0f} MiB state, {len(state_tensors(state))} tensors, one run, "
+              f"median of {args.repeat}; "
               f"asyncckpt: {THREADS} threads, {PIECE_BYTES // MiB} MiB reads\n{table}\n")
         for text, value in figures.items():
             print(f"{text}: {'-' if value is None else f'{value:.2f}'}")
