@@ -26,6 +26,7 @@ from .verify import check_items, find_sidecar, read_sidecar, sidecar_belongs_to
 EXIT_DAMAGED, EXIT_USAGE, EXIT_MISSING, EXIT_NOT_CHECKPOINT, EXIT_TORN, EXIT_UNREADABLE = 1, 2, 3, 4, 5, 6
 EXIT_INTERNAL = 70  # an unexpected exception (a bug): traceback on stderr
 BENCH_SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_save.py"
+BENCH_LOAD_SCRIPT = BENCH_SCRIPT.with_name("bench_load.py")
 CLI_TRUST_HINT = "pass --trusted (inspect, verify) to opt into full unpickling, only for checkpoints whose author you trust"
 
 
@@ -268,12 +269,15 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(argv: list[str]) -> int:
-    """Run the benchmark script with every argument passed through; its exit code is ours."""
-    if not BENCH_SCRIPT.is_file():
-        print(f"asyncckpt bench: error: {BENCH_SCRIPT}: no such file (bench needs a source checkout)", file=sys.stderr)
+    """Run the save benchmark (`bench load ...`: the load benchmark) with every argument passed
+    through; its exit code is ours."""
+    script = BENCH_LOAD_SCRIPT if argv[:1] == ["load"] else BENCH_SCRIPT
+    argv = argv[1:] if argv[:1] == ["load"] else argv
+    if not script.is_file():
+        print(f"asyncckpt bench: error: {script}: no such file (bench needs a source checkout)", file=sys.stderr)
         return EXIT_MISSING
     try:
-        code = subprocess.call([sys.executable, str(BENCH_SCRIPT), *argv])
+        code = subprocess.call([sys.executable, str(script), *argv])
     except KeyboardInterrupt:
         return 130
     return 128 - code if code < 0 else code
@@ -300,7 +304,8 @@ def build_parser() -> argparse.ArgumentParser:
     for command in (inspect, verify):
         command.add_argument("--trusted", action="store_true", help=f"unpickle {METADATA_FILE} fully instead of refusing "
                              "classes outside DCP's: it can run code, so only for checkpoints whose author you trust")
-    sub.add_parser("bench", add_help=False, help="run benchmarks/bench_save.py, every argument passed through (see bench --help)")
+    sub.add_parser("bench", add_help=False, help="run benchmarks/bench_save.py (bench load: bench_load.py), "
+                   "every argument passed through (see bench --help, bench load --help)")
     return parser
 
 

@@ -251,5 +251,9 @@ def test_bench_passes_every_argument_through_and_returns_its_exit_code(tmp_path,
     assert cli.main(["bench", *args]) == 7
     assert json.loads((tmp_path / "argv.json").read_text()) == args
 
+    monkeypatch.setattr(cli, "BENCH_LOAD_SCRIPT", script)  # `bench load ...` runs the load benchmark
+    assert cli.main(["bench", "load", "--size-mb", "64"]) == 7
+    assert json.loads((tmp_path / "argv.json").read_text()) == ["--size-mb", "64"]
+
     monkeypatch.setattr(cli, "BENCH_SCRIPT", tmp_path / "missing.py")
     assert cli.main(["bench"]) == cli.EXIT_MISSING
