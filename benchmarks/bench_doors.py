@@ -46,7 +46,8 @@ def run_method(method: str, size_mb: int, steps: int, every: int, step_s: float,
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
     from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-    from bench_save import ComputeLoop, build_state, mutate
+    from savebench.measure import ComputeLoop
+    from savebench.state import build_state, mutate
 
     dist.init_process_group("gloo", store=dist.FileStore(os.path.join(workdir, "store"), 1), rank=0, world_size=1)
     kwargs = {}

@@ -1,6 +1,6 @@
 """Side-by-side load benchmark: asyncckpt.load against what a user would otherwise resume with.
 
-One state (bench_save.build_state: float32/bf16 tensors of mixed sizes plus small items), saved
+One state (savebench.state.build_state: float32/bf16 tensors of mixed sizes plus small items), saved
 once per format to the same disk, then loaded in one process run, each method cold (every file
 fsynced and its pages dropped with posix_fadvise(DONTNEED)) and warm (just read once):
 
@@ -36,7 +36,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_save import PeakSampler, build_state, family_pss, state_tensors  # noqa: E402
+from savebench.measure import PeakSampler, family_pss  # noqa: E402
+from savebench.state import build_state, state_tensors  # noqa: E402
 
 import asyncckpt  # noqa: E402
 from asyncckpt import AsyncCheckpointer, CheckpointConfig  # noqa: E402
