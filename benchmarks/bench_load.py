@@ -12,8 +12,8 @@ fsynced and its pages dropped with posix_fadvise(DONTNEED)) and warm (just read 
   asyncckpt.load (dcp.save)    asyncckpt.load on the dcp.save checkpoint
 
 Loads go into preallocated tensors (torch.load allocates its own). Figures: median seconds of
---repeat loads, GB/s of tensor bytes, and the largest peak extra PSS (this process and its
-children, sampled by pss_sampler.py) over the PSS before the load.
+--repeat loads, GB/s of tensor bytes, and the peak extra PSS (this process and its children,
+sampled by pss_sampler.py, in one more load: never during a timed one) over the PSS before it.
 
     python benchmarks/bench_load.py --size-mb 512 --out bench_out/bench_load.json
 """
@@ -102,23 +102,28 @@ def check_equal(target: dict[str, Any], state: dict[str, Any]) -> None:
 
 
 def measure(name: str, path: str, load: Callable[[], None], repeat: int) -> LoadResult:
-    """Median seconds of `repeat` cold and `repeat` warm loads; the largest extra PSS seen."""
+    """Median seconds of `repeat` cold and `repeat` warm loads, then one more of each with the
+    memory sampler running (sampling /proc every 5 ms slows the load it watches, so it never
+    runs during a timed one): its peak extra PSS."""
     result = LoadResult(name)
     try:
         for mode in ("cold", "warm"):
-            times, extra = [], 0
+            times = []
             if mode == "warm":
                 load()  # warms the page cache (and the method)
             for _ in range(repeat):
                 if mode == "cold":
                     drop_cache(path)
-                base = family_pss()
-                sampler = PeakSampler(interval_s=0.005)
-                sampler.start()
                 t0 = time.perf_counter()
                 load()
                 times.append(time.perf_counter() - t0)
-                extra = max(extra, sampler.stop().peak - base)
+            if mode == "cold":
+                drop_cache(path)
+            base = family_pss()
+            sampler = PeakSampler(interval_s=0.005)
+            sampler.start()
+            load()
+            extra = sampler.stop().peak - base
             setattr(result, f"{mode}_s", statistics.median(times))
             setattr(result, f"{mode}_extra_mib", max(0, extra) / MiB)
     except Exception as exc:  # a row that fails says why; the others still run
