@@ -30,7 +30,8 @@ from .archive import ArchiveError, TensorRecord, locate_tensor
 from .errors import CheckpointError, PartialLoadError
 from .formats import Sidecar
 
-PIECE_BYTES = 16 << 20  # one task of a thread; also the size of each thread's buffer for copied tensors
+PIECE_BYTES = 64 << 20  # one task of a thread (measured: 64 MiB loads 512 MiB faster than 16, cold and warm)
+BUFFER_BYTES = 16 << 20  # each thread's buffer for tensors that cannot be read in place: slabs up to this
 STEP_BYTES = 1 << 20  # one preadv inside a piece: checksummed right after, while in the CPU cache
 THREADS = min(16, max(4, os.cpu_count() or 4))
 _IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024)
@@ -227,13 +228,13 @@ def _memory_of(tensor: torch.Tensor, nbytes: int) -> memoryview:
 
 def _slab_segments(item: ItemRead, layout: StoredTensor, first_order: int) -> list[Segment]:
     """The data of a tensor that cannot be read in place, as slabs of its outermost stored dim
-    (up to PIECE_BYTES each, at least one row), each copied into the part of the target it covers."""
+    (up to BUFFER_BYTES each, at least one row), each copied into the part of the target it covers."""
     size = layout.size or (1,)
     stride = layout.stride or (1,)
     order = _storage_order(size, stride)
     stored_shape = [size[d] for d in order]
     row_bytes = _numel(stored_shape[1:]) * layout.dtype.itemsize
-    rows_per_slab = max(1, PIECE_BYTES // max(row_bytes, 1))
+    rows_per_slab = max(1, BUFFER_BYTES // max(row_bytes, 1))
     segments = []
     for first in range(0, stored_shape[0], rows_per_slab):
         rows = min(rows_per_slab, stored_shape[0] - first)
@@ -310,7 +311,7 @@ def _read_piece(piece: Piece, local: threading.local, checksum: Optional[Callabl
     seg = piece.segments[0]  # one slab through this thread's buffer, then into the target
     buffer = getattr(local, "buffer", None)
     if buffer is None or buffer.numel() < seg.length:
-        buffer = local.buffer = torch.empty(max(seg.length, PIECE_BYTES), dtype=torch.uint8)
+        buffer = local.buffer = torch.empty(max(seg.length, BUFFER_BYTES), dtype=torch.uint8)
     view = buffer[: seg.length]
     _read_checked(fd, piece.offset, [(seg, memoryview(view.numpy()))], checksum)
     if seg.copy is not None:

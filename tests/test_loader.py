@@ -83,10 +83,11 @@ def saved(tmp_path_factory) -> dict[str, str]:
     return paths
 
 
-@pytest.mark.parametrize("piece_bytes", [reader.PIECE_BYTES, SMALL_PIECES])
+@pytest.mark.parametrize("piece_bytes", [reader.PIECE_BYTES, SMALL_PIECES], ids=["default-pieces", "4KiB-pieces"])
 @pytest.mark.parametrize("fmt", ["torch_save", "safetensors"])
 def test_every_dtype_loads_bitwise_equal(saved, fmt, piece_bytes, monkeypatch):
     monkeypatch.setattr(reader, "PIECE_BYTES", piece_bytes)
+    monkeypatch.setattr(reader, "BUFFER_BYTES", piece_bytes)
     target = fresh_target(source_state(fmt))
     load(target, saved[fmt])
     assert_bitwise_equal(target, source_state(fmt))
@@ -96,7 +97,8 @@ def test_every_dtype_loads_bitwise_equal(saved, fmt, piece_bytes, monkeypatch):
 def test_non_contiguous_shared_storage_and_other_dtype_targets(saved, fmt, monkeypatch):
     """Targets the bytes cannot land in directly: transposed, strided, another dtype; and views
     of one storage, side by side (as a flat parameter buffer holds them)."""
-    monkeypatch.setattr(reader, "PIECE_BYTES", SMALL_PIECES)  # slabs of rows through the buffer
+    monkeypatch.setattr(reader, "PIECE_BYTES", SMALL_PIECES)
+    monkeypatch.setattr(reader, "BUFFER_BYTES", SMALL_PIECES)  # many slabs of rows through the buffer
     source = source_state(fmt)
     flat = torch.zeros(2 * 37 * 29 + 512 * 300)
     target = fresh_target(source)
@@ -115,6 +117,7 @@ def test_stock_dcp_save_checkpoints_load(tmp_path, monkeypatch):
     """dcp.save keeps a transposed tensor's strides in its archive; views that do not cover
     their storage are cloned; objects are torch.save bytes."""
     monkeypatch.setattr(reader, "PIECE_BYTES", SMALL_PIECES)
+    monkeypatch.setattr(reader, "BUFFER_BYTES", SMALL_PIECES)
     base = random_tensor(torch.float32, (64, 48), 1)
     source = {
         "transposed": base.t(),
