@@ -215,7 +215,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         figures = ratios(results)
         print(f"\nload, {state_bytes / MiB:.0f} MiB state, {len(state_tensors(state))} tensors, one run, "
               f"median of {args.repeat}; "
-              f"asyncckpt: {THREADS} threads, {PIECE_BYTES // MiB} MiB reads\n{table}\n")
+              f"asyncckpt: {THREADS} threads, {PIECE_BYTES // MiB} MiB pieces read 1 MiB per preadv\n{table}\n")
         for text, value in figures.items():
             print(f"{text}: {'-' if value is None else f'{value:.2f}'}")
         if args.out:
