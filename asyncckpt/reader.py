@@ -6,9 +6,10 @@ tensor whose stored layout matches its target (whole chunk, same dtype, both con
 in CPU memory) is read straight into the target's memory; its archive framing (torch_save) goes
 to small scratch buffers. Any other tensor is read a slab of rows at a time into its thread's
 reused buffer and copied once into the target (resharding, dtype or layout changes, GPU
-targets). Segments are sorted by offset and coalesced into pieces of up to PIECE_BYTES, each
-one `os.preadv` (the GIL released) on a pool of threads; each thread computes the CRC32C of what
-it read, and the pieces of one item are combined and checked once all reads ended.
+targets). Segments are sorted by offset and coalesced into pieces of up to PIECE_BYTES, one task
+each on a pool of threads, read by `os.preadv` (the GIL released) STEP_BYTES at a time through
+the thread's own file descriptor; each step's CRC32C is computed right after it is read, and the
+parts of one item are combined and checked once all reads ended.
 
 A failed read or checksum leaves the targets partly overwritten: the error says so.
 """
@@ -70,7 +71,7 @@ class Segment:
 
 @dataclass
 class Piece:
-    """Consecutive segments of one file, read by one preadv."""
+    """Consecutive segments of one file, read by one thread (STEP_BYTES per preadv)."""
 
     path: str
     offset: int
@@ -298,9 +299,12 @@ def _run(pool: ThreadPoolExecutor, pieces: list[Piece], checksum: Optional[Calla
     finally:
         for fd in opened:
             os.close(fd)
-    for future in futures:
-        if not future.cancelled() and future.exception() is not None:
-            raise future.exception()
+    for piece, future in zip(pieces, futures):
+        exc = None if future.cancelled() else future.exception()
+        if isinstance(exc, CheckpointError):
+            raise exc
+        if exc is not None:  # a copy into a target that failed: name the item
+            raise PartialLoadError(f"{piece.segments[0].item.name}: {type(exc).__name__}: {exc}") from exc
 
 
 def _read_piece(piece: Piece, local: threading.local, checksum: Optional[Callable], opened: list) -> None:
