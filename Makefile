@@ -22,8 +22,11 @@ $(STAMP): pyproject.toml
 
 install: venv
 
+# Two pytest processes: most tests wait on worker and rank start-up (an interpreter importing
+# torch), so a second one keeps both cores busy. TEST_PROCESSES=0 runs the suite in one process.
+TEST_PROCESSES ?= 2
 test: venv
-	$(PY) -m pytest -q -ra $(PYTEST_ARGS)
+	$(PY) -m pytest -q -ra -n $(TEST_PROCESSES) $(PYTEST_ARGS)
 
 example: venv
 	$(PY) examples/train_loop.py --root checkpoints/example --fresh
