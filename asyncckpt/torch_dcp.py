@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import errno
 import logging
 import os
 import threading
@@ -37,9 +38,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Optional
 
-import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import FileSystemWriter, SerializationFormat
 from torch.distributed.checkpoint.staging import BlockingAsyncStager, DefaultStager
@@ -52,8 +51,8 @@ from .errors import CheckpointError
 from .loading import METADATA_FILE, read_metadata
 from .ranks import collective_timeout_s
 from .report import SaveReport
-from .snapshot import check_shm_space
-from .storage import storage_for
+from .private_copy import private_copy
+from .storage import is_remote, storage_for
 
 log = logging.getLogger(__name__)
 
@@ -148,6 +147,21 @@ def _checkpoint_path(checkpoint_id, storage_writer) -> str:
     return path
 
 
+def _check_local_target(path: str) -> None:
+    """What the save checks first, checked without writing anything, for a save whose rest runs
+    on the commit thread: a local path under a file, or in a directory we may not write, raises
+    from the call as it would have without the deferral."""
+    if is_remote(path):
+        return
+    existing = os.path.abspath(path)
+    while not os.path.lexists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise CheckpointError(f"checkpoint directory {path!r} is not writable: a path component is a file, not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise CheckpointError(f"checkpoint directory {path!r} is not writable: {os.strerror(errno.EACCES)}")
+
+
 def _is_msc_writer(writer) -> bool:
     """multi-storage-client's DCP writer (its own FileSystemWriter subclass), without importing it."""
     kind = type(writer)
@@ -199,62 +213,6 @@ def _staging_response_wanted(stager) -> bool:
     )
 
 
-def _private_copy(state: Any) -> Optional[Any]:
-    """A copy of `state` that nobody else holds (tensors copied, containers rebuilt, other objects
-    shared: they are pickled when the save is scheduled), or None where that is not cheap and
-    safe: a tensor off the CPU (a copy would double device memory), pinned, or a subclass other
-    than DTensor (e.g. ShardedTensor) that a copy might not preserve.
-
-    Why: a first call has no earlier call to hide the worker's start-up (an interpreter importing
-    torch: seconds). With a private copy it returns after the copy, and the worker stages the copy
-    whenever it is up. Plain tensors are copied straight into shared memory (after checking
-    /dev/shm has room, as every move into it is), so the copy is also the move."""
-    plain: list[torch.Tensor] = []
-    if not _copyable(state, plain):
-        return None
-    check_shm_space(sum(t.numel() * t.element_size() for t in plain))
-    return _copy(state)
-
-
-def _copyable(state: Any, plain: list) -> bool:
-    if isinstance(state, dict):
-        return all(_copyable(v, plain) for v in state.values())
-    if isinstance(state, (list, tuple)):
-        return type(state) in (list, tuple) and all(_copyable(v, plain) for v in state)
-    if isinstance(state, torch.Tensor):
-        if state.device.type != "cpu" or state.is_pinned() or type(state) not in (torch.Tensor, torch.nn.Parameter, DTensor):
-            return False
-        if type(state) is not DTensor:
-            plain.append(state)
-    return True
-
-
-def _copy(state: Any) -> Any:
-    if isinstance(state, dict):
-        return {k: _copy(v) for k, v in state.items()}
-    if isinstance(state, (list, tuple)):
-        return type(state)(_copy(v) for v in state)
-    if not isinstance(state, torch.Tensor):
-        return state
-    if type(state) is DTensor:
-        return state.detach().clone().requires_grad_(state.requires_grad)  # moved into shared memory later
-    # DCP's metadata records dtype, layout, requires_grad (memory format: always contiguous)
-    copy = _shared_empty(state).copy_(state.detach())
-    if isinstance(state, torch.nn.Parameter):
-        return torch.nn.Parameter(copy, requires_grad=state.requires_grad)
-    return copy.requires_grad_(state.requires_grad)
-
-
-def _shared_empty(like: torch.Tensor) -> torch.Tensor:
-    """A contiguous tensor shaped like `like` in a fresh shared-memory segment: written once by
-    the copy (`empty().share_memory_()` would first copy the empty bytes into the segment)."""
-    nbytes = like.numel() * like.element_size()
-    if nbytes == 0:
-        return torch.empty(like.shape, dtype=like.dtype)
-    storage = torch.UntypedStorage._new_shared(nbytes)
-    return torch.empty(0, dtype=like.dtype).set_(storage, 0, like.shape)
-
-
 # doors -------------------------------------------------------------------------------------------
 _config = CheckpointConfig()
 _doors: dict[Any, "_Door"] = {}
@@ -282,21 +240,19 @@ def _door_for(process_group, no_dist: bool, use_collectives: bool) -> "_Door":
     with _doors_lock:  # group creation is collective: every rank makes its door at the same call
         door = _doors.get(key)
         if door is None:
-            door = _doors[key] = _Door(_new_checkpointer(key))
+            door = _doors[key] = _Door(_group_for(key), _config)
         return door
 
 
-def _new_checkpointer(key) -> AsyncCheckpointer:
+def _group_for(key) -> Optional[Any]:
+    """The door's own gloo group (None for a door without collectives). Made on the caller's
+    thread: groups must be created in the same order on every rank."""
     if key == "local":
-        return AsyncCheckpointer(config=_config, no_dist=True)
-    timeout = collective_timeout_s(_config.timeout_s)
+        return None
     from datetime import timedelta
 
-    group = dist.new_group(
-        dist.get_process_group_ranks(key), backend="gloo", timeout=timedelta(seconds=timeout),
-        use_local_synchronization=True,
-    )
-    return AsyncCheckpointer(config=_config, process_group=group)
+    timeout = timedelta(seconds=collective_timeout_s(_config.timeout_s))
+    return dist.new_group(dist.get_process_group_ranks(key), backend="gloo", timeout=timeout, use_local_synchronization=True)
 
 
 @dataclass
@@ -309,16 +265,30 @@ class _Outcome:
 class _Door:
     """One checkpointer, its lock and the commit thread that completes the futures."""
 
-    def __init__(self, checkpointer: AsyncCheckpointer) -> None:
-        self.ckpt = checkpointer
+    def __init__(self, group: Optional[Any], config: CheckpointConfig) -> None:
+        self.group, self.config = group, config
+        self._ckpt: Optional[AsyncCheckpointer] = None  # made (and its worker spawned) at first use
         self.cond = threading.Condition()  # the lock every use of the checkpointer holds
         self.pending: Optional[tuple[Future, str]] = None  # the save in flight: its future and path
+        self.deferred: Optional[tuple[dict, str]] = None  # a first save's private copy, not scheduled yet
         self.outcomes: collections.deque[_Outcome] = collections.deque()  # finished, not yet delivered
         self.closing = False
         self.last_report: Optional[SaveReport] = None
         self.saves = 0
         self.thread = threading.Thread(target=self._run, name="asyncckpt-commit", daemon=True)
         self.thread.start()
+
+    @property
+    def ckpt(self) -> AsyncCheckpointer:
+        if self._ckpt is not None:
+            return self._ckpt
+        with self.cond:
+            if self._ckpt is None:
+                if self.group is None:
+                    self._ckpt = AsyncCheckpointer(config=self.config, no_dist=True)
+                else:
+                    self._ckpt = AsyncCheckpointer(config=self.config, process_group=self.group)
+            return self._ckpt
 
     def save(self, state: dict[str, Any], path: str) -> Future:
         future: Future = Future()
@@ -327,9 +297,10 @@ class _Door:
             if self.closing:
                 raise CheckpointError("asyncckpt.torch_dcp is shutting down")
             self._finish_pending()  # save k's verdict goes to save k's future, not to this call
-            copy = _private_copy(state) if self.saves == 0 else None
-            if copy is not None:  # the worker is still starting: do not wait for it, hand it a copy
-                self.ckpt.schedule_save(copy, checkpoint_dir=path, wait=False)
+            copy = private_copy(state) if self.saves == 0 else None
+            if copy is not None:  # the rest of this save (the worker's start included) is the commit thread's
+                _check_local_target(path)
+                self.deferred = (copy, path)
             else:
                 self.ckpt.schedule_save(state, checkpoint_dir=path)
             self.saves += 1
@@ -344,8 +315,10 @@ class _Door:
             self.cond.notify_all()
         self.thread.join(SHUTDOWN_JOIN_S)
         with self.cond:
+            if self._ckpt is None:
+                return
             try:
-                self.ckpt.close()
+                self._ckpt.close()
             except CheckpointError as exc:
                 log.error("closing the async_save checkpointer: %s", exc)
 
@@ -357,6 +330,9 @@ class _Door:
         (future, path), self.pending = self.pending, None
         outcome = _Outcome(future)
         try:
+            if self.deferred is not None:  # the first save: scheduled here, off the caller's thread
+                (copy, _), self.deferred = self.deferred, None
+                self.ckpt.schedule_save(copy, checkpoint_dir=path, wait=False)
             reports = self.ckpt.finalize(blocking=True)
             if reports:
                 self.last_report = reports[-1]

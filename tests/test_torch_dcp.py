@@ -27,7 +27,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 import asyncckpt
-from asyncckpt import CheckpointConfig, CheckpointError, torch_dcp
+from asyncckpt import CheckpointConfig, CheckpointError, client, torch_dcp
 from multirank import run_ranks
 
 ROWS, COLS = 8, 12
@@ -114,6 +114,35 @@ def test_the_first_call_does_not_wait_for_the_worker_to_start(tmp_path):
     dcp.load(target, checkpoint_id=str(tmp_path / "first"), no_dist=True)
     assert torch.equal(target["w"], torch.arange(4096.0)) and torch.equal(target["nested"][0], torch.ones(3))
     assert target["nested"][1]["step"] == 1
+
+
+def test_the_first_call_returns_before_its_worker_is_even_spawned(tmp_path):
+    """The first call pays for its copy only: the worker's spawn (and the move into shared
+    memory, and the hand-off) run on the door's thread. Here no worker can be spawned until the
+    call has returned; the user's tensors are left where they are until the second call."""
+    state = {"w": torch.arange(4096.0), "b": torch.ones(8)}
+    returned = threading.Event()
+    calls: queue.Queue = queue.Queue()
+
+    def first_call() -> None:
+        try:
+            calls.put(asyncckpt.async_save(state, checkpoint_id=str(tmp_path / "first")))
+        except BaseException as exc:
+            calls.put(exc)
+        returned.set()
+
+    with client._spawn_lock:  # every worker spawn takes this lock
+        caller = threading.Thread(target=first_call, daemon=True)
+        caller.start()
+        returned.wait(120)  # a bound against a hang only: on failure, the call waits for the lock
+        assert returned.is_set(), "the first async_save waited for a worker to be spawned"
+        future = calls.get_nowait()
+        state["w"].add_(1.0)
+        assert not future.done() and not state["w"].is_shared()
+    future.result(timeout=60)
+    target = {"w": torch.zeros(4096), "b": torch.zeros(8)}
+    dcp.load(target, checkpoint_id=str(tmp_path / "first"), no_dist=True)
+    assert torch.equal(target["w"], torch.arange(4096.0)) and torch.equal(target["b"], torch.ones(8))
 
 
 def test_stagers_and_writers_give_the_types_torch_gives(tmp_path):
