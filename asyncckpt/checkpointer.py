@@ -204,12 +204,17 @@ class AsyncCheckpointer:
         return info.step
 
     @property
+    def worker_ready(self) -> bool:  # the worker has started up: a save waits for no start-up
+        return self._client is not None and self._client.poll_ready()
+
+    def wait_tidy(self) -> bool:  # files that commits made obsolete are gone (waits at most timeout_s)
+        return self._janitor.wait(self.config.timeout_s)
+
+    @property
     def worker_pid(self) -> Optional[int]:
         return self._client.pid if self._client is not None else None
 
-    @property
-    def planning_counters(self):
-        return self._planning.counters
+    planning_counters = property(lambda self: self._planning.counters)
 
     def close(self) -> list[SaveReport]:
         """Wait for the in-flight save, commit it, wait (at most timeout_s) for retention to end,
@@ -371,8 +376,7 @@ class AsyncCheckpointer:
     def _reset_worker(self, kill: bool) -> None:
         if self._client is not None:
             self._client.kill() if kill else self._client.stop()
-        self._client = None
-        self._holds = None
+        self._client, self._holds = None, None
 
     def _warn_about_copies(self, snapshot: Snapshot) -> None:
         """Once: tensors that cannot be shared in place cost a copy on every save."""
@@ -387,8 +391,7 @@ class AsyncCheckpointer:
 
 
 def _is_dir_or_unknown(storage, path: str) -> bool:
-    """Whether a directory the caller named exists already (then a failed save never removes it
-    whole); True when the store cannot say: prepare_dir then reports what is wrong with it."""
+    """Whether a named directory exists already (a failed save never removes it whole); True when unknown."""
     try:
         return storage.is_dir(path)
     except OSError:

@@ -53,6 +53,15 @@ class WorkerClient:
         self.ready = False
         log.debug("started worker pid %d for rank %d", process.pid, self.settings.rank)
 
+    def poll_ready(self) -> bool:
+        """Whether the worker has said Ready, taking in what it sent so far (never waits)."""
+        try:
+            while not self.ready and self._process is not None and self._receive(0):
+                pass
+        except WorkerDiedError:
+            return False
+        return self.ready
+
     @property
     def pid(self) -> Optional[int]:
         return self._process.pid if self._process is not None else None

@@ -36,7 +36,8 @@ from .config import CheckpointConfig
 from .errors import CheckpointError
 from .loading import METADATA_FILE, is_checkpoint_file, load, read_metadata
 from .nested import flatten_exact, map_tensors, unflatten_exact
-from .storage import is_remote, storage_for
+from .private_copy import private_copy
+from .storage import check_writable_without_writing, is_remote, storage_for
 
 log = logging.getLogger("asyncckpt")
 
@@ -77,6 +78,7 @@ class AsyncCheckpointIO(CheckpointIO):
         self._wake = threading.Event()  # a save was scheduled: the commit thread has work
         self._stop = threading.Event()  # closed: the commit thread ends
         self._savers: list[AsyncCheckpointer] = []  # least recently used first; created on demand
+        self._deferred: dict[AsyncCheckpointer, tuple[dict, str]] = {}  # private copies not yet scheduled
         self._failures: list[str] = []  # failed saves not yet raised to Lightning
         self._committer: Optional[threading.Thread] = None
         self._closed = False
@@ -105,7 +107,13 @@ class AsyncCheckpointIO(CheckpointIO):
             saver = self._saver_for(target)
             self._savers.remove(saver)
             self._savers.append(saver)
-            saver.schedule_save(flat, checkpoint_dir=target)
+            self._schedule_deferred(saver)  # a save still waiting for this saver goes first
+            copy = None if saver.in_flight_dir is not None or saver.worker_ready else private_copy(flat)
+            if copy is not None:  # its worker is still starting: the commit thread schedules the copy
+                check_writable_without_writing(target)
+                self._deferred[saver] = (copy, target)
+            else:
+                saver.schedule_save(flat, checkpoint_dir=target)
             self._start_committer()
             self._wake.set()
 
@@ -150,7 +158,10 @@ class AsyncCheckpointIO(CheckpointIO):
         and its workers, stay ready for the next fit."""
         with self._lock:
             for saver in list(self._savers):
+                self._schedule_deferred(saver)
                 self._finalize(saver, blocking=True)
+            for saver in self._savers:  # a replaced last.ckpt's old files too: the directories are final now
+                saver.wait_tidy()
             self._raise_failures()
 
     # beyond CheckpointIO -----------------------------------------------------------------------
@@ -171,6 +182,7 @@ class AsyncCheckpointIO(CheckpointIO):
             self._closed = True
             _live.discard(self)
             for saver in self._savers:
+                self._schedule_deferred(saver)
                 try:
                     saver.close()
                 except Exception as exc:
@@ -185,14 +197,30 @@ class AsyncCheckpointIO(CheckpointIO):
         """The checkpointer writing `target` (a save to the same path waits for it), else an idle
         one, else a new one up to max_in_flight, else the least recently used (its save is waited for)."""
         for saver in self._savers:
-            if saver.in_flight_dir == target:
+            if self._busy_with(saver) == target:
                 return saver
         for saver in self._savers:
-            if saver.in_flight_dir is None:
+            if self._busy_with(saver) is None:
                 return saver
         if len(self._savers) < self.max_in_flight:
             return self._new_saver()
         return self._savers[0]
+
+    def _busy_with(self, saver: AsyncCheckpointer) -> Optional[str]:
+        """The directory `saver` is saving (deferred or in flight), or None when it is idle."""
+        deferred = self._deferred.get(saver)
+        return deferred[1] if deferred is not None else saver.in_flight_dir
+
+    def _schedule_deferred(self, saver: AsyncCheckpointer) -> None:
+        """Hand a save deferred while its worker started to the worker (the private copy moves
+        into shared memory here). Its failure reaches Lightning at the next call, as a write's does."""
+        deferred = self._deferred.pop(saver, None)
+        if deferred is not None:
+            copy, target = deferred
+            try:
+                saver.schedule_save(copy, checkpoint_dir=target, wait=False)
+            except Exception as exc:
+                self._failed(str(exc))
 
     def _new_saver(self) -> AsyncCheckpointer:
         saver = AsyncCheckpointer(config=self.config, no_dist=True)  # spawns its worker, without waiting
@@ -202,7 +230,8 @@ class AsyncCheckpointIO(CheckpointIO):
 
     def _finish_saves_of(self, target: str) -> None:
         for saver in self._savers:
-            if saver.in_flight_dir == target:
+            if self._busy_with(saver) == target:
+                self._schedule_deferred(saver)
                 self._finalize(saver, blocking=True)
 
     def _finalize(self, saver: AsyncCheckpointer, blocking: bool) -> None:
@@ -237,6 +266,7 @@ class AsyncCheckpointIO(CheckpointIO):
                 if self._closed:
                     return
                 for saver in self._savers:
+                    self._schedule_deferred(saver)
                     if saver.in_flight_dir is not None:
                         self._finalize(saver, blocking=False)
                 pending = any(saver.in_flight_dir is not None for saver in self._savers)

@@ -10,6 +10,7 @@ more on the caller's thread (tmpfs pages are allocated, zeroed and faulted in on
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Optional
 
 import torch
@@ -19,13 +20,17 @@ _COPYABLE = (torch.Tensor, torch.nn.Parameter, DTensor)
 
 
 def private_copy(state: Any) -> Optional[Any]:
-    """A copy of `state` (tensors copied, containers rebuilt, other objects shared: they are
-    pickled when the save is scheduled), or None where a copy is not cheap and safe: a tensor
-    off the CPU (it would double device memory), pinned, or a subclass other than DTensor
-    (e.g. ShardedTensor) that a copy might not preserve."""
+    """A copy of `state` (tensors copied, containers rebuilt, other objects deep-copied: the save
+    pickles them later, and they must keep the values they had at the call), or None where a copy
+    is not cheap and safe: a tensor off the CPU (it would double device memory), pinned, or a
+    subclass other than DTensor (e.g. ShardedTensor) that a copy might not preserve, or an object
+    that cannot be deep-copied."""
     if not _copyable(state):
         return None
-    return _copy(state)
+    try:
+        return _copy(state)
+    except (TypeError, ValueError, AttributeError, copy.Error, RuntimeError):  # deepcopy refused an object
+        return None
 
 
 def _copyable(state: Any) -> bool:
@@ -40,15 +45,18 @@ def _copyable(state: Any) -> bool:
 
 def _copy(state: Any) -> Any:
     if isinstance(state, dict):
-        return {k: _copy(v) for k, v in state.items()}
-    if isinstance(state, (list, tuple)):
+        out = copy.copy(state)  # keeps its type (OrderedDict, ...) and order
+        for k, v in state.items():
+            out[k] = _copy(v)
+        return out
+    if type(state) in (list, tuple):
         return type(state)(_copy(v) for v in state)
     if not isinstance(state, torch.Tensor):
-        return state
+        return copy.deepcopy(state)
     if type(state) is DTensor:
         return state.detach().clone().requires_grad_(state.requires_grad)
     # DCP's metadata records dtype, layout, requires_grad (memory format: always contiguous)
-    copy = torch.empty(state.shape, dtype=state.dtype).copy_(state.detach())
+    out = torch.empty(state.shape, dtype=state.dtype).copy_(state.detach())
     if isinstance(state, torch.nn.Parameter):
-        return torch.nn.Parameter(copy, requires_grad=state.requires_grad)
-    return copy.requires_grad_(state.requires_grad)
+        return torch.nn.Parameter(out, requires_grad=state.requires_grad)
+    return out.requires_grad_(state.requires_grad)

@@ -315,6 +315,21 @@ def storage_for(path: str) -> Storage:
     return backend
 
 
+def check_writable_without_writing(path: str) -> None:
+    """What `prepare_dir` refuses first, checked without writing anything: a local path under a
+    file, or in a directory we may not write. For a save whose rest runs later on another thread,
+    so a bad path still raises from the call (object stores: nothing checked here)."""
+    if is_remote(path):
+        return
+    existing = os.path.abspath(path)
+    while not os.path.lexists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise CheckpointError(f"checkpoint directory {path!r} is not writable: a path component is a file, not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise CheckpointError(f"checkpoint directory {path!r} is not writable: {os.strerror(errno.EACCES)}")
+
+
 def _make_backend(path: str, kind: str) -> Storage:
     if kind == "local":
         return LocalStorage()

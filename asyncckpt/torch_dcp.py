@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import atexit
 import collections
-import errno
 import logging
 import os
 import threading
@@ -52,7 +51,7 @@ from .loading import METADATA_FILE, read_metadata
 from .ranks import collective_timeout_s
 from .report import SaveReport
 from .private_copy import private_copy
-from .storage import is_remote, storage_for
+from .storage import check_writable_without_writing, storage_for
 
 log = logging.getLogger(__name__)
 
@@ -145,21 +144,6 @@ def _checkpoint_path(checkpoint_id, storage_writer) -> str:
         if storage.exists(storage.join(path, METADATA_FILE)):
             raise CheckpointError(f"checkpoint {path!r} already exists and the FileSystemWriter has overwrite=False")
     return path
-
-
-def _check_local_target(path: str) -> None:
-    """What the save checks first, checked without writing anything, for a save whose rest runs
-    on the commit thread: a local path under a file, or in a directory we may not write, raises
-    from the call as it would have without the deferral."""
-    if is_remote(path):
-        return
-    existing = os.path.abspath(path)
-    while not os.path.lexists(existing):
-        existing = os.path.dirname(existing)
-    if not os.path.isdir(existing):
-        raise CheckpointError(f"checkpoint directory {path!r} is not writable: a path component is a file, not a directory")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise CheckpointError(f"checkpoint directory {path!r} is not writable: {os.strerror(errno.EACCES)}")
 
 
 def _is_msc_writer(writer) -> bool:
@@ -299,7 +283,7 @@ class _Door:
             self._finish_pending()  # save k's verdict goes to save k's future, not to this call
             copy = private_copy(state) if self.saves == 0 else None
             if copy is not None:  # the rest of this save (the worker's start included) is the commit thread's
-                _check_local_target(path)
+                check_writable_without_writing(path)
                 self.deferred = (copy, path)
             else:
                 self.ckpt.schedule_save(state, checkpoint_dir=path)

@@ -9,6 +9,11 @@ checkpoints (the fastest of the runs before and after the others), and the time 
 was blocked per save (`trainer.save_checkpoint` as ModelCheckpoint calls it: gathering the state
 and handing it to the IO plugin): the first event's two saves apart, then mean and max.
 
+Two configurations run, each with every method side by side: the short one (40 steps, an event
+every 10: a save every ~0.7 s of training, more checkpoint than training: no IO fits in 5% of
+that) and a representative one (400 steps, an event every 100: several seconds of training
+between events, as real jobs checkpoint far less often than every second).
+
     python benchmarks/bench_lightning.py                       # ~100 MB of state, a few minutes
     python benchmarks/bench_lightning.py --width 2048 --steps 80 --out bench_out/bench_lightning.json
 """
@@ -51,16 +56,16 @@ class MLP(L.LightningModule):
         return torch.optim.Adam(self.parameters(), lr=1e-4)
 
 
-def fit(method: str, args, root: str) -> dict:
+def fit(method: str, args, steps: int, every: int, root: str) -> dict:
     torch.manual_seed(0)
-    x = torch.randn(args.steps * args.batch, 64)
+    x = torch.randn(steps * args.batch, 64)
     loader = DataLoader(TensorDataset(x, x[:, :8].sin()), batch_size=args.batch, shuffle=False)
     plugins = {"lightning-async": [LightningAsyncIO], "asyncckpt": [AsyncCheckpointIO]}.get(method, [])
     plugins = [make() for make in plugins]
     callbacks = [] if method == "none" else [ModelCheckpoint(
-        dirpath=os.path.join(root, method), monitor="train_loss", save_top_k=2, every_n_train_steps=args.every, save_last=True)]
+        dirpath=os.path.join(root, method), monitor="train_loss", save_top_k=2, every_n_train_steps=every, save_last=True)]
     trainer = L.Trainer(
-        accelerator="cpu", devices=1, max_steps=args.steps, plugins=plugins, callbacks=callbacks,
+        accelerator="cpu", devices=1, max_steps=steps, plugins=plugins, callbacks=callbacks,
         enable_checkpointing=method != "none", logger=False, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0,
     )
@@ -89,6 +94,28 @@ def fit(method: str, args, root: str) -> dict:
             "blocked_max_s": max(steady, default=0.0)}
 
 
+def run_config(args, steps: int, every: int, root: str) -> dict:
+    """Every method's fit in one configuration, between two fits without checkpoints."""
+    rows = []
+    for method in ("none", "default", "lightning-async", "asyncckpt", "none"):
+        rows.append(fit(method, args, steps, every, root))
+        shutil.rmtree(os.path.join(root, method), ignore_errors=True)
+    baseline = min(r["fit_s"] for r in rows if r["method"] == "none")
+    table = [r for r in rows if r["method"] != "none"]
+    for r in table:
+        r["overhead"] = r["fit_s"] / baseline - 1
+    step_s = baseline / steps
+    print(f"\nstate {rows[0]['state_mb']:.0f} MB, {steps} steps ({step_s:.3f} s each), a checkpoint event every {every} "
+          f"steps ({every * step_s:.1f} s of training; 2 saves each: top-k + last); fit without checkpoints {baseline:.2f} s")
+    print(f"{'method':<16} {'fit s':>8} {'overhead':>9} {'saves':>6} {'blocked 1st event':>18} "
+          f"{'blocked/save after':>19} {'max':>8}")
+    for r in table:
+        first = " + ".join(f"{b:.3f}" for b in r["blocked_first_event_s"])
+        print(f"{r['method']:<16} {r['fit_s']:>8.2f} {r['overhead']:>8.1%} {r['saves']:>6} {first:>17}s "
+              f"{r['blocked_mean_s']:>18.3f}s {r['blocked_max_s']:>7.3f}s", flush=True)
+    return {"steps": steps, "every": every, "baseline_fit_s": baseline, "rows": rows}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--width", type=int, default=1536)
@@ -96,34 +123,25 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--every", type=int, default=10, help="checkpoint every N steps")
+    parser.add_argument("--long-steps", type=int, default=400, help="the representative fit's steps (0: skip it)")
+    parser.add_argument("--long-every", type=int, default=100, help="the representative fit's checkpoint interval")
     parser.add_argument("--dir", help="where checkpoints go (default: a temporary directory)")
     parser.add_argument("--out", help="write the rows as JSON here")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     root = args.dir or tempfile.mkdtemp(prefix="bench_lightning_")
-    rows = []
+    configs = [(args.steps, args.every)] + ([(args.long_steps, args.long_every)] if args.long_steps else [])
+    results = []
     try:
-        for method in ("none", "default", "lightning-async", "asyncckpt", "none"):
-            rows.append(fit(method, args, root))
-            shutil.rmtree(os.path.join(root, method), ignore_errors=True)
+        for steps, every in configs:
+            results.append(run_config(args, steps, every, root))
     finally:
         if not args.dir:
             shutil.rmtree(root, ignore_errors=True)
-    baseline = min(r["fit_s"] for r in rows if r["method"] == "none")
-    table = [r for r in rows if r["method"] != "none"]
-    print(f"state {rows[0]['state_mb']:.0f} MB, {args.steps} steps, a checkpoint event every {args.every} steps "
-          f"(2 saves each: top-k + last); fit without checkpoints {baseline:.2f} s")
-    print(f"{'method':<16} {'fit s':>8} {'overhead':>9} {'saves':>6} {'blocked 1st event':>18} "
-          f"{'blocked/save after':>19} {'max':>8}")
-    for r in table:
-        r["overhead"] = r["fit_s"] / baseline - 1
-        first = " + ".join(f"{b:.3f}" for b in r["blocked_first_event_s"])
-        print(f"{r['method']:<16} {r['fit_s']:>8.2f} {r['overhead']:>8.1%} {r['saves']:>6} {first:>17}s "
-              f"{r['blocked_mean_s']:>18.3f}s {r['blocked_max_s']:>7.3f}s")
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
-            json.dump({"baseline_fit_s": baseline, "rows": rows, "args": vars(args)}, f, indent=1)
+            json.dump({"configs": results, "args": vars(args)}, f, indent=1)
 
 
 if __name__ == "__main__":

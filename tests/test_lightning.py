@@ -161,6 +161,43 @@ def _workers(plugin) -> list[psutil.Process]:
     return [psutil.Process(saver.worker_pid) for saver in plugin._savers]
 
 
+def test_the_first_saves_do_not_wait_for_the_workers_to_start(tmp_path):
+    """ModelCheckpoint's first event (a top-k save and last.ckpt) comes while the workers the
+    plugin spawned are still starting: both saves return once copied, even though no worker can
+    run yet (stopped here), and keep the values of the call; a removal of one waits for it."""
+    state = {"state_dict": {"w": torch.arange(4096.0)}, "epoch": 0}
+    plugin = AsyncCheckpointIO()  # spawns its two workers now
+    workers = _workers(plugin)
+    for worker in workers:
+        worker.suspend()
+    returned = threading.Event()
+    try:
+        if any(saver.worker_ready for saver in plugin._savers):
+            pytest.skip("a worker finished starting before it could be stopped")
+
+        def first_event() -> None:
+            plugin.save_checkpoint(state, str(tmp_path / "epoch=0-step=2.ckpt"))
+            plugin.save_checkpoint(state, str(tmp_path / "last.ckpt"))
+            returned.set()
+
+        caller = threading.Thread(target=first_event, daemon=True)
+        caller.start()
+        returned.wait(120)  # a bound against a hang only: on failure the saves wait for the workers
+        assert returned.is_set(), "save_checkpoint waited for a worker that had not started"
+        state["state_dict"]["w"].add_(1.0)
+        state["epoch"] = 1
+    finally:
+        for worker in workers:
+            worker.resume()
+    try:
+        plugin.remove_checkpoint(str(tmp_path / "epoch=0-step=2.ckpt"))
+        loaded = plugin.load_checkpoint(str(tmp_path / "last.ckpt"))
+        assert torch.equal(loaded["state_dict"]["w"], torch.arange(4096.0)) and loaded["epoch"] == 0
+        assert sorted(os.listdir(tmp_path)) == ["last.ckpt"]
+    finally:
+        plugin.close()
+
+
 def test_remove_during_an_in_flight_save_waits_and_it_never_reappears(tmp_path):
     state = {"w": torch.randn(MiB // 4)}
     path = str(tmp_path / "epoch=0-step=2.ckpt")
