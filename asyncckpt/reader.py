@@ -1,15 +1,16 @@
-"""The parallel local reader behind `SafeReader.read_data`: DCP's planner says what to read, this
-module reads it fast.
+"""The parallel reader behind `SafeReader.read_data`: DCP's planner says what to read, this
+module reads it fast, from local files or object stores (byte_sources.py says how each is read).
 
 Every item of the plan becomes segments of its file: byte ranges each with a destination. A
 tensor whose stored layout matches its target (whole chunk, same dtype, both contiguous, target
 in CPU memory) is read straight into the target's memory; its archive framing (torch_save) goes
 to small scratch buffers. Any other tensor is read a slab of rows at a time into its thread's
 reused buffer and copied once into the target (resharding, dtype or layout changes, GPU
-targets). Segments are sorted by offset and coalesced into pieces of up to PIECE_BYTES, one task
-each on a pool of threads, read by `os.preadv` (the GIL released) STEP_BYTES at a time through
-the thread's own file descriptor; each step's CRC32C is computed right after it is read, and the
-parts of one item are combined and checked once all reads ended.
+targets). Segments are sorted by offset and coalesced into pieces of up to the source's
+`piece_bytes`, one task each on a pool of threads, read `step_bytes` at a time (locally by
+`os.preadv` through the thread's own descriptor; on an object store, one ranged GET per piece);
+each step's CRC32C is computed right after it is read, and the parts of one item are combined
+and checked once all reads ended.
 
 A failed read or checksum leaves the targets partly overwritten: the error says so.
 """
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import ctypes
 import io
-import os
 import threading
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -28,14 +28,11 @@ import torch
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
 
 from .archive import ArchiveError, TensorRecord, locate_tensor
+from .byte_sources import ByteSource, LocalFiles
 from .errors import CheckpointError, PartialLoadError
 from .formats import Sidecar
 
-PIECE_BYTES = 64 << 20  # one task of a thread (measured: 64 MiB loads 512 MiB faster than 16, cold and warm)
 BUFFER_BYTES = 16 << 20  # each thread's buffer for tensors that cannot be read in place: slabs up to this
-STEP_BYTES = 1 << 20  # one preadv inside a piece: checksummed right after, while in the CPU cache
-THREADS = min(16, max(4, os.cpu_count() or 4))
-_IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024)
 
 
 @dataclass
@@ -71,7 +68,7 @@ class Segment:
 
 @dataclass
 class Piece:
-    """Consecutive segments of one file, read by one thread (STEP_BYTES per preadv)."""
+    """Consecutive segments of one file, read by one thread (`step_bytes` per read call)."""
 
     path: str
     offset: int
@@ -92,22 +89,19 @@ class StoredTensor:
 
 def read_items(
     items: list[ItemRead], planner: LoadPlanner, sidecar: Optional[Sidecar], decode: Callable[[ItemRead], None],
-    threads: int = THREADS,
+    source: Optional[ByteSource] = None,
 ) -> None:
-    """Read every item into its target; objects go to `planner.load_bytes`, and items whose
-    layout is not understood are read whole and handed to `decode` (on this thread). Every path
-    and range must have been checked. A failure before the first byte reaches a target raises
-    CheckpointError; one after, PartialLoadError."""
-    fds: dict[str, int] = {}
+    """Read every item into its target from `source` (local files by default); objects go to
+    `planner.load_bytes`, and items whose layout is not understood are read whole and handed to
+    `decode` (on this thread). Every path and range must have been checked. A failure before the
+    first byte reaches a target raises CheckpointError; one after, PartialLoadError."""
+    source = source or LocalFiles()
+    threads = source.threads
     try:
-        for path in sorted({item.path for item in items}):
-            try:
-                fds[path] = os.open(path, os.O_RDONLY)
-            except OSError as exc:
-                raise CheckpointError(f"{path}: cannot open ({exc.strerror or exc})") from None
+        source.open({item.path for item in items})
         with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="asyncckpt-load") as pool:
             batches = [items[n::threads] for n in range(threads)]  # a task per thread, not per item
-            found = pool.map(lambda batch: [tensor_layout(item, fds[item.path]) for item in batch], batches)
+            found = pool.map(lambda batch: [tensor_layout(item, source) for item in batch], batches)
             layouts = {id(item): layout for batch, done in zip(batches, found) for item, layout in zip(batch, done)}
             segments: list[Segment] = []
             for item in items:
@@ -116,12 +110,11 @@ def read_items(
                     item.data = bytearray(item.length)
                     segments.append(Segment(item, 0, item.start, item.length, memoryview(item.data)))
                 else:
-                    segments += _tensor_segments(item, layout)
-            pieces = _coalesce(sorted(segments, key=lambda s: (s.item.path, s.offset)))
-            _run(pool, pieces, sidecar.checksum if sidecar is not None else None)
+                    segments += _tensor_segments(item, layout, source.piece_bytes)
+            pieces = _coalesce(sorted(segments, key=lambda s: (s.item.path, s.offset)), source)
+            _run(pool, pieces, sidecar.checksum if sidecar is not None else None, source)
     finally:
-        for fd in fds.values():
-            os.close(fd)
+        source.close()
     if sidecar is not None:
         for item in items:
             _check_crc(item, sidecar)
@@ -134,9 +127,10 @@ def read_items(
             planner.commit_tensor(item.req, item.target)
 
 
-def tensor_layout(item: ItemRead, fd: int) -> Optional[StoredTensor]:
+def tensor_layout(item: ItemRead, source: ByteSource) -> Optional[StoredTensor]:
     """Where the tensor bytes of `item` lie: a raw item is C-contiguous; a torch_save item is
-    parsed from its archive. None: read it whole (an object, or not a plain one-tensor archive)."""
+    parsed from its archive. None: read it whole (an object, not a plain one-tensor archive, or
+    an archive small enough for the source to read whole)."""
     if item.req.type == LoadItemType.BYTE_IO or item.dtype is None:
         return None
     if not item.torch_save:
@@ -146,8 +140,10 @@ def tensor_layout(item: ItemRead, fd: int) -> Optional[StoredTensor]:
                 f"for {item.dtype} {list(item.chunk)}"
             )
         return StoredTensor(item.start, item.length, item.dtype, item.chunk, _contiguous_strides(item.chunk))
+    if item.length <= source.whole_item_bytes:
+        return None
     try:
-        record = locate_tensor(lambda offset, n: _pread(fd, item, item.start + offset, n), item.length, item.dtype)
+        record = locate_tensor(lambda offset, n: _read_exact(source, item, item.start + offset, n), item.length, item.dtype)
     except ArchiveError:
         return None
     if record.size != item.chunk or not _dense(record):
@@ -155,8 +151,11 @@ def tensor_layout(item: ItemRead, fd: int) -> Optional[StoredTensor]:
     return StoredTensor(item.start + record.data_start, record.nbytes, item.dtype, record.size, record.stride)
 
 
-def _pread(fd: int, item: ItemRead, offset: int, n: int) -> bytes:
-    data = os.pread(fd, n, offset)
+def _read_exact(source: ByteSource, item: ItemRead, offset: int, n: int) -> bytes:
+    try:
+        data = source.read(item.path, offset, n)
+    except OSError as exc:
+        raise CheckpointError(f"{item.name}: reading bytes {offset}..{offset + n} failed ({exc.strerror or exc})") from None
     if len(data) != n:
         raise CheckpointError(f"{item.name}: the file ends at byte {offset + len(data)}, inside the item (truncated)")
     return data
@@ -196,7 +195,7 @@ def _numel(size) -> int:
     return n
 
 
-def _tensor_segments(item: ItemRead, layout: StoredTensor) -> list[Segment]:
+def _tensor_segments(item: ItemRead, layout: StoredTensor, piece_bytes: int) -> list[Segment]:
     """Framing before and after the data to scratch; the data straight into the target, or in
     slabs of rows through the thread's buffer."""
     target, req = item.target, item.req
@@ -210,8 +209,8 @@ def _tensor_segments(item: ItemRead, layout: StoredTensor) -> list[Segment]:
     )
     if direct:
         memory = _memory_of(target, layout.nbytes)
-        for begin in range(0, layout.nbytes, PIECE_BYTES):
-            end = min(begin + PIECE_BYTES, layout.nbytes)
+        for begin in range(0, layout.nbytes, piece_bytes):
+            end = min(begin + piece_bytes, layout.nbytes)
             segments.append(Segment(item, len(segments), layout.data_start + begin, end - begin, memory[begin:end]))
     else:
         segments += _slab_segments(item, layout, len(segments))
@@ -270,15 +269,16 @@ def _slab_copy(item: ItemRead, layout: StoredTensor, order, stored_shape, first:
     return copy
 
 
-def _coalesce(segments: list[Segment]) -> list[Piece]:
-    """Adjacent in-place segments of one file share a preadv, up to PIECE_BYTES and IOV_MAX."""
+def _coalesce(segments: list[Segment], source: ByteSource) -> list[Piece]:
+    """Adjacent in-place segments of one file share a piece, up to the source's `piece_bytes`
+    (and IOV_MAX segments)."""
     pieces: list[Piece] = []
     for seg in segments:
         last = pieces[-1] if pieces else None
         if (
             last is not None and seg.dest is not None and last.segments[-1].dest is not None
             and last.path == seg.item.path and last.offset + last.nbytes == seg.offset
-            and last.nbytes + seg.length <= PIECE_BYTES and len(last.segments) < _IOV_MAX
+            and last.nbytes + seg.length <= source.piece_bytes and len(last.segments) < LocalFiles.iov_max
         ):
             last.segments.append(seg)
             last.nbytes += seg.length
@@ -287,19 +287,14 @@ def _coalesce(segments: list[Segment]) -> list[Piece]:
     return pieces
 
 
-def _run(pool: ThreadPoolExecutor, pieces: list[Piece], checksum: Optional[Callable]) -> None:
+def _run(pool: ThreadPoolExecutor, pieces: list[Piece], checksum: Optional[Callable], source: ByteSource) -> None:
     """Read every piece on the pool; the first failure cancels what has not started."""
-    local = threading.local()  # each thread's buffer and file descriptors, freed with the pool
-    opened: list[int] = []
-    try:
-        futures = [pool.submit(_read_piece, p, local, checksum, opened) for p in pieces]
-        _, pending = wait(futures, return_when=FIRST_EXCEPTION)
-        for future in pending:
-            future.cancel()
-        wait(futures)
-    finally:
-        for fd in opened:
-            os.close(fd)
+    local = threading.local()  # each thread's buffer, freed with the pool
+    futures = [pool.submit(_read_piece, p, local, checksum, source) for p in pieces]
+    _, pending = wait(futures, return_when=FIRST_EXCEPTION)
+    for future in pending:
+        future.cancel()
+    wait(futures)
     for piece, future in zip(pieces, futures):
         exc = None if future.cancelled() else future.exception()
         if isinstance(exc, CheckpointError):
@@ -308,42 +303,34 @@ def _run(pool: ThreadPoolExecutor, pieces: list[Piece], checksum: Optional[Calla
             raise PartialLoadError(f"{piece.segments[0].item.name}: {type(exc).__name__}: {exc}") from exc
 
 
-def _read_piece(piece: Piece, local: threading.local, checksum: Optional[Callable], opened: list) -> None:
-    fd = _thread_fd(local, piece.path, opened)
+def _read_piece(piece: Piece, local: threading.local, checksum: Optional[Callable], source: ByteSource) -> None:
     if piece.segments[0].dest is not None:
-        _read_checked(fd, piece.offset, [(s, s.dest) for s in piece.segments], checksum)
+        _read_checked(source, piece, [(s, s.dest) for s in piece.segments], checksum)
         return
     seg = piece.segments[0]  # one slab through this thread's buffer, then into the target
     buffer = getattr(local, "buffer", None)
     if buffer is None or buffer.numel() < seg.length:
         buffer = local.buffer = torch.empty(max(seg.length, BUFFER_BYTES), dtype=torch.uint8)
     view = buffer[: seg.length]
-    _read_checked(fd, piece.offset, [(seg, memoryview(view.numpy()))], checksum)
+    _read_checked(source, piece, [(seg, memoryview(view.numpy()))], checksum)
     if seg.copy is not None:
         seg.copy(view)
 
 
-def _thread_fd(local: threading.local, path: str, opened: list[int]) -> int:
-    """This thread's own descriptor of `path`: the kernel keeps readahead state per open file, and
-    threads reading different pieces through one descriptor would look like random reads."""
-    fds = local.__dict__.setdefault("fds", {})
-    if path not in fds:
-        fds[path] = os.open(path, os.O_RDONLY)
-        opened.append(fds[path])  # closed by _run (list.append is atomic)
-    return fds[path]
-
-
-def _read_checked(fd: int, offset: int, parts: list[tuple[Segment, memoryview]], checksum: Optional[Callable]) -> None:
-    """Read `parts` (laid end to end from `offset`) STEP_BYTES per preadv, checksumming each step
-    while it is still in the CPU cache; each item's run of bytes gives one partial checksum."""
-    chunks = [(seg, mem[i:i + STEP_BYTES]) for seg, mem in parts for i in range(0, len(mem), STEP_BYTES)]
+def _read_checked(
+    source: ByteSource, piece: Piece, parts: list[tuple[Segment, memoryview]], checksum: Optional[Callable]
+) -> None:
+    """Read `parts` (laid end to end from the piece's offset) `step_bytes` per read call,
+    checksumming each step right after it is read; each item's run of bytes gives one partial checksum."""
+    step, offset = source.step_bytes, piece.offset
+    chunks = [(seg, mem[i:i + step]) for seg, mem in parts for i in range(0, len(mem), step)]
     run: Optional[list] = None  # [segment that began it, crc, length]
     while chunks:
         window, size = [], 0
-        while chunks and (not window or size + len(chunks[0][1]) <= STEP_BYTES):
+        while chunks and (not window or size + len(chunks[0][1]) <= step):
             window.append(chunks.pop(0))
             size += len(window[-1][1])
-        _preadv_all(fd, [mem for _, mem in window], offset, window[0][0])
+        source.read_into(piece.path, offset, [mem for _, mem in window], window[0][0].item.name)
         offset += size
         for seg, mem in window:
             if run is not None and run[0].item is not seg.item:
@@ -356,24 +343,6 @@ def _read_checked(fd: int, offset: int, parts: list[tuple[Segment, memoryview]],
             run[2] += len(mem)
     if run is not None:
         _record_crc(run, checksum)
-
-
-def _preadv_all(fd: int, buffers: list[memoryview], offset: int, first: Segment) -> None:
-    """preadv until every buffer is full; a file that ends first is a truncated item."""
-    buffers = [b for b in buffers if len(b)]
-    while buffers:
-        try:
-            n = os.preadv(fd, buffers, offset)
-        except OSError as exc:
-            raise PartialLoadError(f"{first.item.name}: read failed at byte {offset} ({exc.strerror or exc})") from None
-        if n == 0:
-            raise PartialLoadError(f"{first.item.name}: the file ends at byte {offset}, inside the item (truncated)")
-        offset += n
-        while buffers and n >= len(buffers[0]):
-            n -= len(buffers[0])
-            buffers.pop(0)
-        if n:
-            buffers[0] = buffers[0][n:]
 
 
 def _record_crc(run: list, checksum: Optional[Callable]) -> None:

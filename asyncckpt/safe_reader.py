@@ -1,8 +1,8 @@
 """`SafeReader`: a DCP StorageReader for checkpoints nobody here wrote, and the planner it needs.
 
 Every path and byte range is checked before anything is read; `.metadata` is unpickled by a
-restricted unpickler and objects with `weights_only=True` (see safety.py). Local checkpoints are
-read by the parallel reader (reader.py); object stores item by item.
+restricted unpickler and objects with `weights_only=True` (see safety.py). The parallel reader
+(reader.py) reads the data: local files with positional reads, object stores with ranged GETs.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from torch.futures import Future
 
 from .errors import CheckpointError
 from .formats import Sidecar, is_safetensors_file
+from .byte_sources import LocalFiles, ObjectRanges
 from .reader import ItemRead, read_items
 from .safety import TRUST_HINT, check_ranges, check_relative_path, load_metadata, load_object, load_tensor, raw_tensor
 from .storage import LocalStorage, storage_for
@@ -135,16 +136,11 @@ class SafeReader(StorageReader):
             ranges = [(_item_name(r), self.metadata.storage_data[r.storage_index].offset,
                        self.metadata.storage_data[r.storage_index].length) for r in reqs]
             check_ranges(files[relative_path], sorted(ranges, key=lambda r: r[1]), size)
-        if isinstance(self.storage, LocalStorage):
-            items = [self._item_read(files[info_path], req, planner) for info_path, reqs in per_file.items() for req in reqs]
-            decode = lambda item: self._place(item.path, item.req, bytes(item.data), planner)  # noqa: E731
-            self.touched = True
-            read_items(items, planner, self.sidecar if self.checksums else None, decode)
-        else:
-            self.touched = True
-            for relative_path, reqs in per_file.items():
-                for req in reqs:
-                    self._read_item(files[relative_path], req, planner)
+        items = [self._item_read(files[info_path], req, planner) for info_path, reqs in per_file.items() for req in reqs]
+        decode = lambda item: self._place(item.path, item.req, bytes(item.data), planner)  # noqa: E731
+        source = LocalFiles() if isinstance(self.storage, LocalStorage) else ObjectRanges(self.storage)
+        self.touched = True
+        read_items(items, planner, self.sidecar if self.checksums else None, decode, source)
         done: Future = Future()
         done.set_result(None)
         return done
@@ -168,17 +164,6 @@ class SafeReader(StorageReader):
             if tuple(item.target.size()) != tuple(req.lengths):
                 raise CheckpointError(f"{item.name}: target size {tuple(item.target.size())} != {tuple(req.lengths)} read")
         return item
-
-    def _read_item(self, file: str, req: ReadItem, planner: LoadPlanner) -> None:
-        info = self.metadata.storage_data[req.storage_index]
-        data = self.storage.read_bytes(file, info.offset, info.length)
-        what = f"{file}: {_item_name(req)}"
-        if len(data) != info.length:
-            raise CheckpointError(f"{what} is truncated ({len(data)} of {info.length} bytes)")
-        expected_crc = self.checksums.get((info.relative_path, info.offset, info.length))
-        if expected_crc is not None and self.sidecar.checksum(data) != expected_crc:
-            raise CheckpointError(f"{what}: checksum mismatch (the data file is damaged)")
-        self._place(file, req, data, planner)
 
     def _place(self, file: str, req: ReadItem, data: bytes, planner: LoadPlanner) -> None:
         """Decode one item's checked bytes and put the result in the state dict."""

@@ -10,6 +10,9 @@ fsynced and its pages dropped with posix_fadvise(DONTNEED)) and warm (just read 
   dcp.load (dcp.save files)    stock dcp.load on a dcp.save checkpoint
   asyncckpt.load               asyncckpt.load on an asyncckpt checkpoint (torch_save, safetensors)
   asyncckpt.load (dcp.save)    asyncckpt.load on the dcp.save checkpoint
+  with --s3, warm only, the torch_save checkpoint put on a local S3 server (moto_server, loopback):
+  asyncckpt.load (s3)          ranged GETs on a pool of threads
+  dcp.load (msc reader, s3)    stock dcp.load with multi-storage-client's MultiStorageFileSystemReader
 
 Loads go into preallocated tensors (torch.load allocates its own). Figures: median seconds of
 --repeat loads, GB/s of tensor bytes, and the peak extra PSS (this process and its children,
@@ -21,6 +24,7 @@ sampled by pss_sampler.py, in one more load: never during a timed one) over the 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -41,7 +45,7 @@ from savebench.state import build_state, state_tensors  # noqa: E402
 
 import asyncckpt  # noqa: E402
 from asyncckpt import AsyncCheckpointer, CheckpointConfig  # noqa: E402
-from asyncckpt.reader import PIECE_BYTES, THREADS  # noqa: E402
+from asyncckpt.byte_sources import LocalFiles  # noqa: E402
 
 MiB = 1 << 20
 RAW_CHUNK = 8 * MiB
@@ -101,13 +105,14 @@ def check_equal(target: dict[str, Any], state: dict[str, Any]) -> None:
                 raise AssertionError(f"{group}.{key} loaded wrong")
 
 
-def measure(name: str, path: str, load: Callable[[], None], repeat: int) -> LoadResult:
+def measure(name: str, path: str, load: Callable[[], None], repeat: int, exclude: frozenset[int] = frozenset()) -> LoadResult:
     """Median seconds of `repeat` cold and `repeat` warm loads, then one more of each with the
     memory sampler running (sampling /proc every 5 ms slows the load it watches, so it never
-    runs during a timed one): its peak extra PSS."""
+    runs during a timed one): its peak extra PSS, leaving out the processes in `exclude`. An
+    object-store path (a URL) is measured warm only."""
     result = LoadResult(name)
     try:
-        for mode in ("cold", "warm"):
+        for mode in ("cold", "warm") if "://" not in path else ("warm",):
             times = []
             if mode == "warm":
                 load()  # warms the page cache (and the method)
@@ -119,8 +124,8 @@ def measure(name: str, path: str, load: Callable[[], None], repeat: int) -> Load
                 times.append(time.perf_counter() - t0)
             if mode == "cold":
                 drop_cache(path)
-            base = family_pss()
-            sampler = PeakSampler(interval_s=0.005)
+            base = family_pss(exclude)
+            sampler = PeakSampler(interval_s=0.005, exclude=exclude)
             sampler.start()
             load()
             extra = sampler.stop().peak - base
@@ -166,12 +171,43 @@ def ratios(results: list[LoadResult]) -> dict[str, Optional[float]]:
     }
 
 
+@contextlib.contextmanager
+def local_s3(workdir: str, checkpoint: str):
+    """A moto_server on loopback (the tests' helper) holding the files of `checkpoint` under
+    PREFIX, with the environment msc reads; yields (its pid, the checkpoint's s3:// URL)."""
+    from asyncckpt.testing import s3_server
+
+    os.makedirs(workdir, exist_ok=True)
+    server = s3_server.MotoServer.start(workdir)
+    config_path = os.path.join(workdir, "msc_config.yaml")
+    env = s3_server.session_env(config_path, server.endpoint)
+    saved_env = {name: os.environ.get(name) for name in (*env, "AWS_PROFILE")}
+    try:
+        server.create_bucket(s3_server.BUCKET)
+        s3_server.write_msc_config(config_path, {s3_server.PROFILE: server.endpoint})
+        os.environ.update(env)
+        os.environ.pop("AWS_PROFILE", None)
+        client = server.s3_client()
+        for name in os.listdir(checkpoint):
+            with open(os.path.join(checkpoint, name), "rb") as f:
+                client.put_object(Bucket=s3_server.BUCKET, Key=f"bench/{name}", Body=f)
+        yield server.process.pid, f"s3://{s3_server.BUCKET}/bench"
+    finally:
+        server.stop()
+        for name, value in saved_env.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size-mb", type=int, default=512, help="tensor bytes of the state (default 512)")
     parser.add_argument("--repeat", type=int, default=3, help="loads per method and mode; the median is shown (default 3)")
     parser.add_argument("--dir", default=None, help="where the checkpoints go (default: a temp dir under bench_out/)")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
+    parser.add_argument("--s3", action="store_true", help="add the object-store rows (a local moto_server; warm only)")
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     os.makedirs("bench_out", exist_ok=True)
@@ -211,16 +247,29 @@ def main(argv: Optional[list[str]] = None) -> int:
             if name.startswith(("dcp.load", "asyncckpt.load")):
                 check_equal(target, state)
                 target = empty_like_state(state)  # the next method starts from zeros again
+        if args.s3:
+            with local_s3(os.path.join(root, "s3"), paths["torch_save"]) as (pid, url):
+                from multistorageclient.contrib.torch import MultiStorageFileSystemReader
+
+                def msc_reader() -> None:
+                    reader = MultiStorageFileSystemReader(url, thread_count=LocalFiles.threads)
+                    dcp.load(target, storage_reader=reader, no_dist=True)
+
+                for name, load in (("asyncckpt.load (s3)", ours(url)), ("dcp.load (msc reader, s3)", msc_reader)):
+                    results.append(measure(name, url, load, args.repeat, exclude=frozenset([pid])))
+                    check_equal(target, state)
+                    target = empty_like_state(state)
         table = render(results, state_bytes)
         figures = ratios(results)
         print(f"\nload, {state_bytes / MiB:.0f} MiB state, {len(state_tensors(state))} tensors, one run, "
               f"median of {args.repeat}; "
-              f"asyncckpt: {THREADS} threads, {PIECE_BYTES // MiB} MiB pieces read 1 MiB per preadv\n{table}\n")
+              f"asyncckpt: {LocalFiles.threads} threads, {LocalFiles.piece_bytes // MiB} MiB pieces read "
+              f"{LocalFiles.step_bytes // MiB} MiB per preadv\n{table}\n")
         for text, value in figures.items():
             print(f"{text}: {'-' if value is None else f'{value:.2f}'}")
         if args.out:
             with open(args.out, "w") as f:
-                json.dump({"state_bytes": state_bytes, "threads": THREADS, "piece_bytes": PIECE_BYTES,
+                json.dump({"state_bytes": state_bytes, "threads": LocalFiles.threads, "piece_bytes": LocalFiles.piece_bytes,
                            "results": [asdict(r) for r in results], "ratios": figures}, f, indent=1)
     finally:
         if args.dir is None:

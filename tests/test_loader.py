@@ -1,21 +1,27 @@
 """The parallel loader (reader.py): bitwise-equal loads for both formats, every dtype we save,
 targets it cannot read into directly, stock dcp.save checkpoints, and what a damaged checkpoint
-does to the caller's state (named in the error; never a silent partial load)."""
+does to the caller's state (named in the error; never a silent partial load); on an object store
+(the session's S3 server), ranged GETs of only the items needed, in parallel, adjacent ones in one."""
 
 from __future__ import annotations
 
 import os
 import pickle
 import shutil
+import threading
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+import asyncckpt.archive as archive
 import asyncckpt.reader as reader
 from asyncckpt import AsyncCheckpointer, CheckpointConfig, CheckpointError, PartialLoadError, load
-from asyncckpt.formats import SAFETENSORS_DTYPES
+from asyncckpt.byte_sources import LocalFiles, ObjectRanges
+from asyncckpt.formats import SAFETENSORS_DTYPES, is_data_file
 from asyncckpt.loading import read_metadata
+from asyncckpt.msc_storage import MscStorage
+from asyncckpt.testing.s3_server import BUCKET
 
 SHAPE = (37, 29)
 SMALL_PIECES = 4096  # every tensor above 4 KiB spans several reads (checksums combined across threads)
@@ -83,10 +89,10 @@ def saved(tmp_path_factory) -> dict[str, str]:
     return paths
 
 
-@pytest.mark.parametrize("piece_bytes", [reader.PIECE_BYTES, SMALL_PIECES], ids=["default-pieces", "4KiB-pieces"])
+@pytest.mark.parametrize("piece_bytes", [LocalFiles.piece_bytes, SMALL_PIECES], ids=["default-pieces", "4KiB-pieces"])
 @pytest.mark.parametrize("fmt", ["torch_save", "safetensors"])
 def test_every_dtype_loads_bitwise_equal(saved, fmt, piece_bytes, monkeypatch):
-    monkeypatch.setattr(reader, "PIECE_BYTES", piece_bytes)
+    monkeypatch.setattr(LocalFiles, "piece_bytes", piece_bytes)
     monkeypatch.setattr(reader, "BUFFER_BYTES", piece_bytes)
     target = fresh_target(source_state(fmt))
     load(target, saved[fmt])
@@ -97,7 +103,7 @@ def test_every_dtype_loads_bitwise_equal(saved, fmt, piece_bytes, monkeypatch):
 def test_non_contiguous_shared_storage_and_other_dtype_targets(saved, fmt, monkeypatch):
     """Targets the bytes cannot land in directly: transposed, strided, another dtype; and views
     of one storage, side by side (as a flat parameter buffer holds them)."""
-    monkeypatch.setattr(reader, "PIECE_BYTES", SMALL_PIECES)
+    monkeypatch.setattr(LocalFiles, "piece_bytes", SMALL_PIECES)
     monkeypatch.setattr(reader, "BUFFER_BYTES", SMALL_PIECES)  # many slabs of rows through the buffer
     source = source_state(fmt)
     flat = torch.zeros(2 * 37 * 29 + 512 * 300)
@@ -116,7 +122,7 @@ def test_non_contiguous_shared_storage_and_other_dtype_targets(saved, fmt, monke
 def test_stock_dcp_save_checkpoints_load(tmp_path, monkeypatch):
     """dcp.save keeps a transposed tensor's strides in its archive; views that do not cover
     their storage are cloned; objects are torch.save bytes."""
-    monkeypatch.setattr(reader, "PIECE_BYTES", SMALL_PIECES)
+    monkeypatch.setattr(LocalFiles, "piece_bytes", SMALL_PIECES)
     monkeypatch.setattr(reader, "BUFFER_BYTES", SMALL_PIECES)
     base = random_tensor(torch.float32, (64, 48), 1)
     source = {
@@ -169,13 +175,17 @@ def _damage(path: str, how: str) -> tuple[str, set[str]]:
     return info.relative_path, after if how in ("missing file", "truncated file") else {"t_float32"}
 
 
+@pytest.mark.parametrize("backend", ["local", "s3"])
 @pytest.mark.parametrize(
     "how", ["missing file", "truncated file", "range past the end", "flipped data byte", "flipped header byte"]
 )
-def test_damaged_checkpoint_raises_naming_file_and_item_and_the_state_left(saved, tmp_path, how):
+def test_damaged_checkpoint_raises_naming_file_and_item_and_the_state_left(saved, tmp_path, how, backend, request):
     path = str(tmp_path / "copy")
     shutil.copytree(saved["torch_save"], path)
     file, items = _damage(path, how)
+    if backend != "local":  # the damaged checkpoint's objects: the error names the object's URL
+        path = upload(request.getfixturevalue("s3_server"), path, backend)
+        file = f"{path}/{file}"
     source = source_state("torch_save")
     target = fresh_target(source, fill=SENTINEL)
     with pytest.raises(CheckpointError) as raised:
@@ -186,7 +196,8 @@ def test_damaged_checkpoint_raises_naming_file_and_item_and_the_state_left(saved
         # found once the bytes landed: the error says the state is partly loaded, and it is
         assert isinstance(raised.value, PartialLoadError), message
         assert "checksum mismatch" in message and "PARTLY LOADED" in message, message
-        assert not same_bits(target["t_float32"], fresh_target(source, fill=SENTINEL)["t_float32"])
+        if backend == "local":  # read in place (an object store reads an item this small whole, then checks it)
+            assert not same_bits(target["t_float32"], fresh_target(source, fill=SENTINEL)["t_float32"])
     else:
         # found before any read: nothing changed, and the error says so
         assert not isinstance(raised.value, PartialLoadError), message
@@ -204,3 +215,89 @@ def test_checksums_of_pieces_combine_into_the_items(algorithm):
     for cut in (0, 1, 4096, 9_999, 10_000):
         a, b = data[:cut], data[cut:]
         assert crc_combine(algorithm, crc(a), crc(b), len(b)) == crc(data)
+
+
+# object stores ----------------------------------------------------------------------------------
+def upload(s3, directory: str, scheme: str) -> str:
+    """The files of a local checkpoint directory put as objects under a fresh prefix; its URL."""
+    prefix = s3.unique_prefix(os.path.basename(directory))
+    client = s3.server.s3_client()
+    for name in os.listdir(directory):
+        with open(os.path.join(directory, name), "rb") as f:
+            client.put_object(Bucket=BUCKET, Key=f"{prefix}/{name}", Body=f.read())
+    return s3.url(scheme, prefix)
+
+
+class RangeLog(MscStorage):
+    """The real msc backend, recording every read of a data file: (object, offset, length).
+    With `meet=True`, the first two such reads wait for each other at a barrier, so the load
+    fails unless two reads are in flight at once."""
+
+    def __init__(self, meet: bool = False) -> None:
+        super().__init__()
+        self.reads: list[tuple[str, int, int]] = []
+        self._barrier = threading.Barrier(2, timeout=30) if meet else None
+
+    def read_bytes(self, path: str, offset: int = 0, length=None) -> bytes:
+        if is_data_file(path.rsplit("/", 1)[-1]):
+            self.reads.append((path, offset, length))
+            if self._barrier is not None and len(self.reads) <= 2:
+                self._barrier.wait()
+        return super().read_bytes(path, offset, length)
+
+
+@pytest.fixture
+def range_log(monkeypatch):
+    """Installs a RangeLog as the object-store backend `load` uses; returns a function that
+    installs a fresh one (`meet` as RangeLog's) and returns it."""
+    from asyncckpt import storage
+
+    def install(meet: bool = False) -> RangeLog:
+        log = RangeLog(meet)
+        monkeypatch.setitem(storage._backends, "msc", log)
+        return log
+
+    return install
+
+
+@pytest.mark.parametrize("scheme", ["s3", "msc"])
+@pytest.mark.parametrize("fmt", ["torch_save", "safetensors"])
+def test_object_store_checkpoints_load_bitwise_equal_one_ranged_get_per_file(saved, s3_server, range_log, fmt, scheme):
+    """Every item of a file is needed and they lie end to end: one GET per file reads them all."""
+    url = upload(s3_server, saved[fmt], scheme)
+    log = range_log()
+    target = fresh_target(source_state(fmt))
+    load(target, url)
+    assert_bitwise_equal(target, source_state(fmt))
+    spans = {}  # object -> (first byte, end) of its items
+    for info in read_metadata(saved[fmt]).storage_data.values():
+        first, end = spans.get(f"{url}/{info.relative_path}", (info.offset, info.offset + info.length))
+        spans[f"{url}/{info.relative_path}"] = (min(first, info.offset), max(end, info.offset + info.length))
+    assert sorted(log.reads) == sorted((path, first, end - first) for path, (first, end) in spans.items())
+
+
+@pytest.mark.parametrize("fmt", ["torch_save", "safetensors"])
+def test_object_store_load_reads_only_the_needed_items_in_parallel(saved, s3_server, range_log, fmt, monkeypatch):
+    """A target needing a part of the files: only the needed items' bytes are requested (no
+    whole-object GET), in ranges of at most a piece, two or more in flight at once."""
+    monkeypatch.setattr(ObjectRanges, "piece_bytes", SMALL_PIECES)
+    monkeypatch.setattr(ObjectRanges, "step_bytes", SMALL_PIECES)
+    monkeypatch.setattr(ObjectRanges, "whole_item_bytes", 0)  # archives found by reading their head and tail
+    monkeypatch.setattr(reader, "BUFFER_BYTES", SMALL_PIECES)
+    url = upload(s3_server, saved[fmt], "s3")
+    log = range_log(meet=True)
+    wanted = ("big", "t_float32", "t_int8")
+    source = source_state(fmt)
+    target = fresh_target({key: source[key] for key in wanted})
+    target["t_int8"] = target["t_int8"].t().contiguous().t()  # not in place: slabs through a buffer
+    load(target, url)
+    assert_bitwise_equal(target, {key: source[key] for key in wanted})
+    needed = {}  # file -> [(start, end)] of the wanted items
+    for index, info in read_metadata(saved[fmt]).storage_data.items():
+        if index.fqn in wanted:
+            needed.setdefault(f"{url}/{info.relative_path}", []).append((info.offset, info.offset + info.length))
+    for path, offset, length in log.reads:  # a piece, or an archive's head and tail (one read if small)
+        assert length is not None and 0 < length <= max(SMALL_PIECES, 2 * archive.WINDOW), (path, offset, length)
+        assert any(start <= offset and offset + length <= end for start, end in needed[path]), (path, offset, length)
+    wanted_bytes = sum(end - start for ranges in needed.values() for start, end in ranges)
+    assert wanted_bytes <= sum(length for _, _, length in log.reads) <= wanted_bytes + 2 * archive.WINDOW * len(wanted)
