@@ -301,3 +301,39 @@ def test_object_store_load_reads_only_the_needed_items_in_parallel(saved, s3_ser
         assert any(start <= offset and offset + length <= end for start, end in needed[path]), (path, offset, length)
     wanted_bytes = sum(end - start for ranges in needed.values() for start, end in ranges)
     assert wanted_bytes <= sum(length for _, _, length in log.reads) <= wanted_bytes + 2 * archive.WINDOW * len(wanted)
+
+
+class Shrinking(RangeLog):
+    """The real backend; just before the first GET of data, another writer replaces that object
+    with its first half (after the load checked every object's size)."""
+
+    def __init__(self, s3) -> None:
+        super().__init__()
+        self.s3 = s3
+        self.shrunk = None  # the object replaced
+        self._lock = threading.Lock()
+
+    def read_bytes(self, path: str, offset: int = 0, length=None) -> bytes:
+        with self._lock:
+            if is_data_file(path.rsplit("/", 1)[-1]) and self.shrunk is None:
+                self.shrunk = path
+                key = path.split(f"{BUCKET}/", 1)[1]
+                client = self.s3.server.s3_client()
+                whole = client.get_object(Bucket=BUCKET, Key=key)["Body"].read()
+                client.put_object(Bucket=BUCKET, Key=key, Body=whole[: len(whole) // 2])
+        return super().read_bytes(path, offset, length)
+
+
+def test_object_store_object_shrinking_during_load_raises_naming_it(saved, s3_server, monkeypatch):
+    """A GET that returns less than the range asked (the object changed after its size was
+    checked) fails the load naming the object and item; the state is said to be partly loaded."""
+    url = upload(s3_server, saved["torch_save"], "s3")
+    shrinking = Shrinking(s3_server)
+    from asyncckpt import storage
+
+    monkeypatch.setitem(storage._backends, "msc", shrinking)
+    target = fresh_target(source_state("torch_save"), fill=SENTINEL)
+    with pytest.raises(PartialLoadError) as raised:
+        load(target, url)
+    message = str(raised.value)
+    assert f"{shrinking.shrunk}: " in message and "PARTLY LOADED" in message, message
