@@ -161,7 +161,10 @@ def locate_tensor(read: Callable[[int, int], bytes], length: int, dtype: torch.d
     if record is None:
         raise ArchiveError(f"no data record for storage {rebuilt.key!r}")
     start = _data_start(windows, record)
-    if record.file_size != rebuilt.storage_nbytes or start + record.file_size > length:
+    if (
+        record.file_size != rebuilt.storage_nbytes or record.file_size % dtype.itemsize
+        or start < 0 or start + record.file_size > length
+    ):
         raise ArchiveError(f"data record of {record.file_size} bytes does not fit the tensor or the item")
     numel = record.file_size // dtype.itemsize
     return TensorRecord(start, record.file_size, numel, rebuilt.storage_offset, rebuilt.size, rebuilt.stride)

@@ -52,23 +52,24 @@ class LocalFiles(ByteSource):
     iov_max = min(1024, os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024)
 
     def __init__(self) -> None:
-        self._fds: dict[str, int] = {}  # the calling thread's: every file opened before any target is touched
         self._local = threading.local()
-        self._opened: list[int] = []  # every descriptor the reading threads opened (list.append is atomic)
+        self._opened: dict[int, int] = {}  # thread id -> the one descriptor that thread holds open
 
     def open(self, paths: set[str]) -> None:
+        """Every file opens, checked before any target is touched; none is held open (a checkpoint
+        of many files must not take a descriptor per file: see _thread_fd)."""
         for path in sorted(paths):
             try:
-                self._fds[path] = os.open(path, os.O_RDONLY)
+                os.close(os.open(path, os.O_RDONLY))
             except OSError as exc:
-                raise CheckpointError(f"{path}: cannot open ({exc.strerror or exc})") from None
+                raise CheckpointError(f"{path}: cannot open ({exc.strerror or exc}); nothing in state_dict was changed") from None
 
     def read(self, path: str, offset: int, n: int) -> bytes:
-        return os.pread(self._fds[path], n, offset)
+        return os.pread(self._thread_fd(path, CheckpointError), n, offset)  # finding layouts: nothing written yet
 
     def read_into(self, path: str, offset: int, buffers: list[memoryview], what: str) -> None:
         """preadv until every buffer is full; a file that ends first is a truncated item."""
-        fd = self._thread_fd(path)
+        fd = self._thread_fd(path, PartialLoadError)
         buffers = [b for b in buffers if len(b)]
         while buffers:
             try:
@@ -84,19 +85,29 @@ class LocalFiles(ByteSource):
             if n:
                 buffers[0] = buffers[0][n:]
 
-    def _thread_fd(self, path: str) -> int:
+    def _thread_fd(self, path: str, error: type) -> int:
         """This thread's own descriptor of `path`: the kernel keeps readahead state per open file,
-        and threads reading different pieces through one descriptor would look like random reads."""
-        fds = self._local.__dict__.setdefault("fds", {})
-        if path not in fds:
-            fds[path] = os.open(path, os.O_RDONLY)
-            self._opened.append(fds[path])
-        return fds[path]
+        and threads reading different pieces through one descriptor would look like random reads.
+        A thread holds one file open at a time (pieces come sorted by file), so loading a
+        checkpoint of thousands of files stays far below the open-file limit."""
+        if getattr(self._local, "path", None) == path:
+            return self._local.fd
+        me = threading.get_ident()
+        if me in self._opened:
+            os.close(self._opened.pop(me))
+            self._local.path = None
+        try:
+            self._local.fd = self._opened[me] = os.open(path, os.O_RDONLY)
+        except OSError as exc:
+            raise error(f"{path}: cannot open ({exc.strerror or exc})") from None
+        self._local.path = path
+        return self._local.fd
 
     def close(self) -> None:
-        for fd in list(self._fds.values()) + self._opened:
+        for fd in self._opened.values():
             os.close(fd)
-        self._fds, self._opened = {}, []
+        self._opened = {}
+        self._local = threading.local()
 
 
 class ObjectRanges(ByteSource):

@@ -202,7 +202,10 @@ def _tensor_segments(item: ItemRead, layout: StoredTensor, piece_bytes: int) -> 
     head = layout.data_start - item.start
     tail = item.start + item.length - layout.data_start - layout.nbytes
     segments = [Segment(item, 0, item.start, head, memoryview(bytearray(head)))] if head else []
-    whole = all(o == 0 for o in req.storage_offsets) and tuple(req.lengths) == layout.size
+    whole = (
+        all(o == 0 for o in req.storage_offsets) and tuple(req.lengths) == layout.size
+        and layout.nbytes == target.numel() * target.element_size()  # never past the target's end
+    )
     direct = (
         whole and target.dtype == layout.dtype and target.device.type == "cpu" and target.is_contiguous()
         and layout.stride == _contiguous_strides(layout.size) or whole and layout.nbytes == 0

@@ -127,6 +127,7 @@ class SafeReader(StorageReader):
         if not self.trusted and not isinstance(planner, SafeLoadPlanner):
             if any(req.type == LoadItemType.BYTE_IO for req in plan.items):
                 raise CheckpointError(f"{self.path}: objects are unpickled by the planner: use SafeLoadPlanner, or {TRUST_HINT}")
+        self._metadata_read.clear()  # kept for one load only: a reader used again may meet a re-saved path
         per_file: dict[str, list[ReadItem]] = {}
         for req in plan.items:
             per_file.setdefault(self.metadata.storage_data[req.storage_index].relative_path, []).append(req)

@@ -283,7 +283,8 @@ class _Door:
             self._finish_pending()  # save k's verdict goes to save k's future, not to this call
             copy = private_copy(state) if self.saves == 0 else None
             if copy is not None:  # the rest of this save (the worker's start included) is the commit thread's
-                check_writable_without_writing(path)
+                if self.group is None:  # under a group, a bad path must fail every rank alike: in schedule_save's agreement
+                    check_writable_without_writing(path)
                 self.deferred = (copy, path)
             else:
                 self.ckpt.schedule_save(state, checkpoint_dir=path)

@@ -337,3 +337,70 @@ def test_object_store_object_shrinking_during_load_raises_naming_it(saved, s3_se
         load(target, url)
     message = str(raised.value)
     assert f"{shrinking.shrunk}: " in message and "PARTLY LOADED" in message, message
+
+
+MANY_FILES_SCRIPT = """
+import os, resource, sys, torch, torch.distributed.checkpoint as dcp
+from asyncckpt import load
+path, n = sys.argv[1], int(sys.argv[2])
+state = {f"t{i}": torch.arange(64, dtype=torch.float32) + i for i in range(n)}
+dcp.save(state, storage_writer=dcp.FileSystemWriter(path, single_file_per_rank=False), no_dist=True)
+files = [f for f in os.listdir(path) if f.endswith(".distcp")]
+assert len(files) == n, len(files)  # one file per tensor
+in_use = len(os.listdir("/proc/self/fd"))
+resource.setrlimit(resource.RLIMIT_NOFILE, (in_use + n // 4, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+target = {k: torch.zeros_like(v) for k, v in state.items()}
+load(target, path)
+assert all(torch.equal(target[k], state[k]) for k in state)
+print("loaded", n, "files with", in_use + n // 4, "descriptors allowed")
+"""
+
+
+def test_a_checkpoint_of_more_files_than_free_descriptors_loads(tmp_path):
+    """Stock DCP with one file per item (or many ranks' files) loaded by one process: the loader
+    holds one file open per reading thread, not every file at once times every thread."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", MANY_FILES_SCRIPT, str(tmp_path / "ckpt"), "400"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert done.returncode == 0 and "loaded 400 files" in done.stdout, done.stdout + done.stderr
+
+
+def _archive_claiming(nbytes: int) -> bytes:
+    """A one-tensor torch.save archive whose record says float32 (4,) over a storage of `nbytes`
+    bytes (the data record as long): what a crafted checkpoint can claim."""
+    import collections
+    import io
+    import zipfile
+
+    storage = object()
+
+    class Tensor:
+        def __reduce__(self):
+            return (torch._utils._rebuild_tensor_v3, (storage, 0, (4,), (1,), False, collections.OrderedDict(), torch.float32))
+
+    class Pickler(pickle.Pickler):
+        def persistent_id(self, obj):
+            return ("storage", torch.UntypedStorage, "0", "cpu", nbytes) if obj is storage else None
+
+    pickled = io.BytesIO()
+    Pickler(pickled, protocol=2).dump(Tensor())
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as z:
+        z.writestr("archive/data.pkl", pickled.getvalue())
+        z.writestr("archive/data/0", bytes(nbytes))
+        z.writestr("archive/version", b"3\n")
+    return out.getvalue()
+
+
+def test_an_archive_claiming_a_storage_longer_than_its_tensor_is_not_read_in_place():
+    """19 bytes claimed for a float32 (4,) tensor: read in place, 3 bytes would land past the
+    target's end (heap memory). The layout is refused (the item is then read whole and decoded
+    by torch's own weights_only loader)."""
+    honest, crafted = _archive_claiming(16), _archive_claiming(19)
+    assert archive.locate_tensor(lambda o, n: honest[o:o + n], len(honest), torch.float32).nbytes == 16
+    with pytest.raises(archive.ArchiveError, match="does not fit"):
+        archive.locate_tensor(lambda o, n: crafted[o:o + n], len(crafted), torch.float32)
