@@ -50,6 +50,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class _PortTaken(Exception):
+    """Another process bound the port first."""
+
+
+def _listens(pid: int, port: int) -> bool:
+    """Whether process `pid` holds a listening socket on `port`."""
+    import psutil
+
+    try:
+        return any(c.status == psutil.CONN_LISTEN and c.laddr.port == port for c in psutil.Process(pid).net_connections("tcp"))
+    except psutil.Error:
+        return False
+
+
 @dataclass
 class MotoServer:
     """One moto_server process; `stop()` terminates it (its objects are gone with it)."""
@@ -59,8 +73,20 @@ class MotoServer:
     log_path: str
 
     @classmethod
-    def start(cls, log_dir: str, timeout_s: float = 30.0) -> "MotoServer":
-        """Start on a free port and wait until it answers; RuntimeError (with its log) if not."""
+    def start(cls, log_dir: str, timeout_s: float = 30.0, attempts: int = 3) -> "MotoServer":
+        """Start on a free port and wait until it answers; RuntimeError (with its log) if not.
+        A port taken by another process between `free_port` and the server's bind (two test
+        processes) is retried on another port."""
+        for attempt in range(attempts):
+            try:
+                return cls._start_once(log_dir, timeout_s)
+            except _PortTaken:
+                if attempt + 1 == attempts:
+                    raise RuntimeError(f"moto_server found its port taken {attempts} times") from None
+        raise AssertionError("unreachable")
+
+    @classmethod
+    def _start_once(cls, log_dir: str, timeout_s: float) -> "MotoServer":
         command = moto_server_command()
         if command is None:
             raise RuntimeError("moto_server is not installed (pip install 'moto[server]')")
@@ -75,12 +101,17 @@ class MotoServer:
         while time.monotonic() < deadline:
             if process.poll() is not None:
                 break
+            if not _listens(process.pid, port):  # an answer before our bind would be another server's
+                time.sleep(0.1)
+                continue
             try:
                 with urllib.request.urlopen(server.endpoint + "/moto-api/", timeout=2):
                     return server
             except OSError:
                 time.sleep(0.1)
         server.stop()
+        if "Address already in use" in server.log_tail():
+            raise _PortTaken()
         raise RuntimeError(f"moto_server did not start within {timeout_s:.0f}s: {server.log_tail()}")
 
     def s3_client(self):
