@@ -264,7 +264,7 @@ def test_a_process_group_that_cannot_carry_cpu_collectives_is_refused(tmp_path):
         import torch.distributed as dist
         from torch.testing._internal.distributed.fake_pg import FakeStore
         import asyncckpt
-from asyncckpt import AsyncCheckpointer, CheckpointError
+        from asyncckpt import AsyncCheckpointer, CheckpointError
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
         try:
             AsyncCheckpointer({str(tmp_path / "ckpt")!r}, process_group=dist.group.WORLD)
