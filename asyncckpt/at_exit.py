@@ -24,10 +24,19 @@ def forget(checkpointer) -> None:
     _live.discard(checkpointer)
 
 
+_reported: list[str] = []  # failures of exit handlers that run before close_all (the Lightning plugin's)
+
+
+def report_failure(message: str) -> None:
+    """A save that failed in an exit handler registered after this module's (so run before
+    close_all): close_all says so with its own failures and makes the exit status 1."""
+    _reported.append(message)
+
+
 @atexit.register
 def close_all() -> None:
     """Close every checkpointer still open; if a save fails, say so and make the exit status 1."""
-    failures = []
+    failures = list(_reported)
     for checkpointer in list(_live):
         try:
             checkpointer.close()

@@ -31,6 +31,7 @@ except ImportError as exc:  # asyncckpt itself does not depend on Lightning
 
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from . import at_exit
 from .checkpointer import AsyncCheckpointer
 from .config import CheckpointConfig
 from .errors import CheckpointError
@@ -341,5 +342,5 @@ def _close_all() -> None:
     for plugin in list(_live):
         try:
             plugin.close()
-        except Exception as exc:
-            log.error("closing AsyncCheckpointIO at exit: %s", exc)
+        except Exception as exc:  # said, with exit status 1, by at_exit.close_all (it runs next)
+            at_exit.report_failure(f"AsyncCheckpointIO: {exc}")

@@ -4,6 +4,7 @@ keeps, resuming, exact round trips, removal and replacement racing saves, bad in
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import shutil
 import subprocess
@@ -349,3 +350,41 @@ def test_example_under_two_rank_ddp_resumes_like_an_uninterrupted_run(tmp_path):
                            "--final", str(tmp_path / "resumed.pt"), *ddp)
     assert "at step 6: weights and optimizer state match the checkpoint" in resumed.stdout, resumed.stdout
     assert_exactly_equal(torch.load(str(tmp_path / "resumed.pt")), torch.load(str(tmp_path / "whole.pt")))
+
+
+EXIT_SCRIPT = """
+import resource, sys, psutil, torch
+from asyncckpt import CheckpointConfig
+from asyncckpt.lightning import AsyncCheckpointIO
+plugin = AsyncCheckpointIO(CheckpointConfig(timeout_s=5), max_in_flight=1)
+plugin.save_checkpoint({"state_dict": {"w": torch.zeros(1 << 16)}, "epoch": 0}, sys.argv[1] + "/a.ckpt")
+plugin.wait()  # its worker is up and one save committed
+worker = psutil.Process(plugin._savers[0].worker_pid)
+for process in [worker, *worker.children(recursive=True)]:  # from now on its writes fail (EFBIG)
+    process.rlimit(resource.RLIMIT_FSIZE, (1, 1))
+plugin.save_checkpoint({"state_dict": {"w": torch.ones(1 << 16)}, "epoch": 1}, sys.argv[1] + "/b.ckpt")
+print("worker", worker.pid, flush=True)
+print("exiting without close", flush=True)
+"""
+
+
+def test_a_save_failing_at_exit_without_close_makes_the_exit_status_1(tmp_path):
+    """A script that ends while its last save cannot commit (no teardown, no close; the worker's
+    writes fail): the failure is on stderr and the process exits 1, as with AsyncCheckpointer.
+    Output goes to files, not pipes: a leaked worker would hold a pipe open and hang the test."""
+    root, out, err = tmp_path / "ckpts", tmp_path / "stdout", tmp_path / "stderr"
+    root.mkdir()
+    with open(out, "w") as stdout, open(err, "w") as stderr:
+        done = subprocess.run([sys.executable, "-c", EXIT_SCRIPT, str(root)], stdout=stdout, stderr=stderr,
+                              timeout=240, cwd=REPO)
+    printed, said = out.read_text(), err.read_text()
+    outlived = []  # the exit kills its workers; killing leftovers here keeps a bug from leaking them
+    for pid in [int(line.split()[1]) for line in printed.splitlines() if line.startswith("worker ")]:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            psutil.Process(pid).kill()
+            outlived.append(pid)
+    assert not outlived, f"workers {outlived} outlived their trainer"
+    assert "exiting without close" in printed, printed + said
+    assert done.returncode == 1, (done.returncode, said[-2000:])
+    assert "NOT committed at interpreter exit" in said and "AsyncCheckpointIO" in said, said[-2000:]
+    assert sorted(os.listdir(root)) == ["a.ckpt"]  # the failed save left nothing looking complete
