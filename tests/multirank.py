@@ -1,26 +1,28 @@
-"""Helpers to run a function on N gloo ranks (CPU) with a free loopback port and a hard timeout."""
+"""Helpers to run a function on N gloo ranks (CPU) with a hard timeout.
+
+The ranks meet through a FileStore in a fresh directory, not a TCP port: a port picked free can be
+taken by the other pytest process before rank 0 binds it (gloo's own pairs bind port 0)."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
 import time
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from conftest import free_port
 
-
-def _entry(rank: int, fn, world_size: int, port: int, args: tuple) -> None:
+def _entry(rank: int, fn, world_size: int, store_path: str, args: tuple) -> None:
     """Run fn on this rank; on success leave with os._exit(0) once gloo is torn down.
 
     Why not a normal exit: in torch 2.13 a gloo worker thread can still be releasing a finished
     collective's tensors while the interpreter finalizes; taking the GIL then kills that thread
     inside a noexcept destructor and the rank dies of SIGABRT after its work passed. The result
     is decided by then (a failure raises above and is reported by torch.multiprocessing)."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size)
     try:
         fn(rank, world_size, *args)
         dist.barrier()  # no rank tears gloo down while another is still using it
@@ -36,8 +38,10 @@ def run_ranks(fn, world_size: int, *args, timeout_s: float = 240.0) -> None:
     if they do not all finish within `timeout_s` (so a bug fails the test instead of hanging).
     The bound is a hang guard, not a speed check: generous, because each rank and its worker
     start an interpreter and import torch, which takes minutes for 4 ranks on a busy 2-core box."""
+    rendezvous = tempfile.mkdtemp(prefix="asyncckpt-ranks-")
     context = mp.start_processes(
-        _entry, args=(fn, world_size, free_port(), args), nprocs=world_size, join=False, start_method="spawn"
+        _entry, args=(fn, world_size, os.path.join(rendezvous, "store"), args), nprocs=world_size, join=False,
+        start_method="spawn",
     )
     deadline = time.monotonic() + timeout_s
     try:
@@ -48,3 +52,4 @@ def run_ranks(fn, world_size: int, *args, timeout_s: float = 240.0) -> None:
         for process in context.processes:
             if process.is_alive():
                 process.kill()
+        shutil.rmtree(rendezvous, ignore_errors=True)
