@@ -22,12 +22,13 @@ from .config import CheckpointConfig, write_options
 from .errors import CheckpointError, CheckpointTimeoutError, WorkerDiedError
 from .formats import new_file_tag
 from .loading import METADATA_FILE, latest_checkpoint, load, step_dir_name
+from .incremental import base_from_checkpoint
 from .planning import Planning
 from .ranks import RankGroup, finalize_bound_s
 from .inflight import InFlightSave
 from .report import SaveReport, publish
 from .retention import Janitor, discard_uncommitted
-from .protocol import SaveFailed, SaveRequest, Staged, WorkerSettings, WriteDone
+from .protocol import IncrementalBase, SaveFailed, SaveRequest, Staged, WorkerSettings, WriteDone
 from .snapshot import Snapshot, WorkerHolds, copies_warning, take_snapshot, tensors_to_send
 from .storage import storage_for
 
@@ -71,6 +72,8 @@ class AsyncCheckpointer:
         self._closed = False
         self._warned_copies = False
         self._janitor = Janitor()  # retention, after each commit's verdict
+        self._base: Optional[IncrementalBase] = None  # incremental: this rank's last committed save
+        self._said_full: set[str] = set()  # why incremental saves were full (each said once)
         at_exit.track(self)
         self._start_worker()  # spawn now, so the first save does not pay for the interpreter start
 
@@ -129,6 +132,9 @@ class AsyncCheckpointer:
         if overwrite_any:  # new files get other names; the old checkpoint stays committed until ours is
             file_tag = self._group.broadcast(new_file_tag())
             log.info("replacing committed checkpoint %s at commit (new files *%s)", step_dir, file_tag)
+        base = self._incremental_base(step_dir, file_tag)
+        if base is not None:  # its new files never take the name of one linked from the base; and
+            file_tag = new_file_tag()  # after the commit, files a torn save left there are removed
         planned = self._planning.build(local, self._group) if changed else self._planning.reuse(local)
         flight = InFlightSave(
             0, step, name, step_dir, planned.metadata, started, 0, planned.reused_plan,
@@ -139,7 +145,7 @@ class AsyncCheckpointer:
             snapshot = take_snapshot(planned)
             self._warn_about_copies(snapshot)
             self._ensure_worker()
-            request = self._request_for(snapshot, step_dir, file_tag)
+            request = self._request_for(snapshot, step_dir, file_tag, base)
             if snapshot.has_cuda:
                 torch.cuda.current_stream().synchronize()  # the worker must see finished values
             self._client.send(request, self.config.timeout_s)
@@ -200,6 +206,8 @@ class AsyncCheckpointer:
         if info is None:
             return None
         load(state_dict, info.path, trusted=trusted, process_group=self._group.pg)
+        if self.config.incremental:
+            self._base = base_from_checkpoint(info.path, self.rank)  # the next save continues from it
         log.info("resumed from %s (step %d)", info.path, info.step)
         return info.step
 
@@ -238,7 +246,9 @@ class AsyncCheckpointer:
         self.close()
 
     # save path -------------------------------------------------------------------------------
-    def _request_for(self, snapshot: Snapshot, step_dir: str, file_tag: str) -> SaveRequest:
+    def _request_for(
+        self, snapshot: Snapshot, step_dir: str, file_tag: str, base: Optional[IncrementalBase]
+    ) -> SaveRequest:
         held = self._holds if self.config.cache_structure else None
         known, fresh = tensors_to_send(snapshot, held)
         self._next_save_id += 1
@@ -251,7 +261,27 @@ class AsyncCheckpointer:
             fresh_tensors=fresh,
             byte_items=snapshot.objects,
             file_tag=file_tag,
+            base=base,
         )
+
+    def _incremental_base(self, step_dir: str, file_tag: str) -> Optional[IncrementalBase]:
+        """The committed save an incremental save reuses unchanged tensors from, or None for a
+        full save (the reason logged once)."""
+        if not self.config.incremental:
+            return None
+        reason = None
+        if not storage_for(step_dir).supports_links:
+            reason = "it is not on a local filesystem (no hard links)"
+        elif self._base is None:
+            reason = "no committed checkpoint of this run or resumed from yet"
+        elif file_tag or self._base.checkpoint_dir == step_dir:
+            reason = "it replaces a committed checkpoint"
+        if reason is None:
+            return self._base
+        if reason not in self._said_full:
+            self._said_full.add(reason)
+            log.info("incremental save to %s is a full save: %s", step_dir, reason)
+        return None
 
     def _finish_in_flight(self, blocking: bool) -> None:
         flight = self._in_flight
@@ -275,6 +305,8 @@ class AsyncCheckpointer:
         self._in_flight = None
         if not verdict.committed:
             raise CheckpointError(f"{flight.label} not committed: {verdict.error}")
+        if self.config.incremental:
+            self._base = IncrementalBase(flight.step_dir, flight.outcome.written.items)
         report = flight.report(self.rank, verdict, flight.outcome, self._group.collectives)
         self._committed.append(report)
         publish(report, self.config.metrics_path, self.config.on_commit)

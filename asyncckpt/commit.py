@@ -49,8 +49,9 @@ class Verdict:
 
     committed: bool
     error: Optional[str] = None
-    total_bytes: int = 0
+    total_bytes: int = 0  # the checkpoint's size
     commit_s: float = 0.0
+    written_bytes: int = 0  # of it, written by this save (incremental saves link the rest)
 
 
 @dataclass(frozen=True)
@@ -60,7 +61,7 @@ class SaveTarget:
     name: Optional[str]  # step directory name in `root`; None: a directory the caller named (no latest, no retention)
     step_dir: str
     metadata: Optional[Metadata]  # the global metadata; the coordinator's is the one used
-    file_tag: str = ""  # set when the save replaces a committed checkpoint of the same step
+    file_tag: str = ""  # set when the save replaces a committed checkpoint of the same step, or links files (incremental)
     owns_dir: bool = True  # the save created the directory: a failed save removes it whole
 
 
@@ -107,9 +108,10 @@ def _decide(storage: Storage, target: SaveTarget, outcomes: list[RankOutcome], f
             log.error("%s is committed but `latest` could not be moved to it (it still names an older one): %r",
                       target.step_dir, exc)
     total = sum(o.written.bytes_written for o in outcomes)
+    written_now = total - sum(o.written.bytes_linked for o in outcomes)
     retention = keep_last if target.name is not None else None
     tidy = Tidy(root, target.step_dir, bool(target.file_tag), retention)
-    return Decision(Verdict(True, None, total, time.perf_counter() - started), tidy)
+    return Decision(Verdict(True, None, total, time.perf_counter() - started, written_now), tidy)
 
 
 def _failed(storage: Storage, target: SaveTarget, error: str, ranks_wait: bool) -> Decision:
@@ -148,6 +150,7 @@ def commit_checkpoint(storage: Storage, target: SaveTarget, written: list[ItemWr
             w.offset,
             w.length,
             w.crc32,
+            w.digest,
         )
         for w in written
         if w.crc32 is not None

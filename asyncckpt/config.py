@@ -40,6 +40,10 @@ class CheckpointConfig:
     staging_budget_bytes: stage and write in chunks of at most this many bytes (None: whole state).
     metrics_path: append one JSON line per committed save to this file.
     on_commit: called with the SaveReport of every committed save.
+    incremental: write only tensors whose bytes changed since this rank's last committed save (or
+        the checkpoint load_latest resumed from); unchanged ones stay in their files, hard-linked
+        into the new directory, so every checkpoint is still complete. Local filesystems only
+        (elsewhere every save is full, logged once); see docs/usage.md.
     """
 
     io: str = "thread"
@@ -57,6 +61,7 @@ class CheckpointConfig:
     staging_budget_bytes: Optional[int] = None
     metrics_path: Optional[str] = None
     on_commit: Optional[Callable[[Any], None]] = None
+    incremental: bool = False
 
     def __post_init__(self) -> None:
         for name, allowed in _CHOICES.items():
@@ -72,11 +77,13 @@ class CheckpointConfig:
             _require_int(self, "worker_nice", minimum=0)
         if not isinstance(self.timeout_s, (int, float)) or isinstance(self.timeout_s, bool) or self.timeout_s <= 0:
             raise ValueError(f"CheckpointConfig.timeout_s={self.timeout_s!r} must be a positive number of seconds")
-        for name in ("cache_structure", "fsync", "checksums"):
+        for name in ("cache_structure", "fsync", "checksums", "incremental"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"CheckpointConfig.{name}={getattr(self, name)!r} must be True or False")
         if self.separation_hint is not None and not (isinstance(self.separation_hint, str) and self.separation_hint):
             raise ValueError(f"CheckpointConfig.separation_hint={self.separation_hint!r} must be a non-empty string")
+        if self.incremental and self.staging_budget_bytes is not None:
+            raise ValueError("CheckpointConfig.incremental needs the whole state staged: staging_budget_bytes must be None")
         if self.on_commit is not None and not callable(self.on_commit):
             raise ValueError("CheckpointConfig.on_commit must be callable")
 
@@ -92,6 +99,7 @@ def write_options(c: CheckpointConfig) -> WriteOptions:
     return WriteOptions(
         c.io, c.io_workers, c.format, c.fsync, c.checksums, c.separation_hint, c.staging_budget_bytes,
         staging_threads=eager_staging_threads() if c.staging == "eager" else 1, timeout_s=c.timeout_s,
+        incremental=c.incremental,
     )
 
 

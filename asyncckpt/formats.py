@@ -20,6 +20,7 @@ from typing import Callable, Iterable, Optional, Sequence
 import google_crc32c
 import numpy as np
 import torch
+import xxhash
 
 from .storage import WriteHandle
 
@@ -148,6 +149,18 @@ def _raw_bytes(tensor: torch.Tensor):
     return tensor.reshape(-1).view(torch.uint8).numpy()
 
 
+DIGEST_ALGORITHM = "xxh3_128"  # about 11 GB/s a core here (BLAKE2b: 0.5): far faster than any disk
+
+
+def tensor_digest(tensor: torch.Tensor) -> bytes:
+    """A 128-bit digest of a (staged, compact) tensor's dtype, shape and bytes: equal digests
+    mean an incremental save may reuse the stored item. The GIL is released while hashing."""
+    hasher = xxhash.xxh3_128(f"{tensor.dtype}{tuple(tensor.shape)}".encode())
+    if tensor.nbytes:
+        hasher.update(_raw_bytes(tensor))
+    return hasher.digest()
+
+
 def write_object_bytes(sink: ItemSink, data: bytes) -> None:
     """An object already pickled by the planner (torch.save bytes)."""
     sink.write(data)
@@ -167,6 +180,7 @@ class ItemChecksum:
     start: int
     length: int
     crc32: int
+    digest: Optional[bytes] = None  # tensors of an incremental save (DIGEST_ALGORITHM)
 
 
 def crc32c(data, value: int = 0) -> int:
@@ -241,6 +255,7 @@ def encode_checksums(entries: list[ItemChecksum], save_id: str) -> bytes:
             "start": e.start,
             "length": e.length,
             "crc32": e.crc32,
+            **({DIGEST_ALGORITHM: e.digest.hex()} if e.digest is not None else {}),
         }
         for e in entries
     ]
@@ -272,7 +287,11 @@ def _decode_item(n: int, record) -> ItemChecksum:
     ok = isinstance(fqn, str) and isinstance(file, str) and all(_is_int(x) for x in numbers)
     if not ok or not (offset is None or (isinstance(offset, list) and all(_is_int(x) for x in offset))):
         raise ValueError(f"item {n}: a field has the wrong type ({record!r:.200})")
-    return ItemChecksum(fqn, tuple(offset) if offset is not None else None, file, *numbers)
+    digest = record.get(DIGEST_ALGORITHM)
+    if digest is not None and not (isinstance(digest, str) and re.fullmatch(r"[0-9a-f]{32}", digest)):
+        raise ValueError(f"item {n}: {DIGEST_ALGORITHM} is not 32 hex digits ({digest!r:.60})")
+    return ItemChecksum(fqn, tuple(offset) if offset is not None else None, file, *numbers,
+                        bytes.fromhex(digest) if digest is not None else None)
 
 
 def _is_int(value) -> bool:

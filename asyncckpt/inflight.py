@@ -26,7 +26,7 @@ class InFlightSave:
     blocked_s: float = 0.0
     backpressure_s: float = 0.0
     collectives_before: int = 0
-    file_tag: str = ""  # set when the save replaces a committed checkpoint of the same step
+    file_tag: str = ""  # set when the save replaces a committed checkpoint of the same step, or links files (incremental)
     deadline: float = 0.0  # monotonic: past it, a poll that finds no answer fails the save (timeout_s)
     staged: Optional[Staged] = None
     error: Optional[str] = None  # this rank's part failed before the worker could report
@@ -42,6 +42,7 @@ class InFlightSave:
             rank=rank,
             path=self.step_dir,
             bytes=verdict.total_bytes,
+            bytes_written=verdict.written_bytes,
             blocked_s=self.blocked_s,
             backpressure_s=self.backpressure_s,
             staging_s=self.staged.staging_s,

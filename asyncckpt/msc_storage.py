@@ -9,6 +9,7 @@ deletes every key, dot-files included (msc's recursive delete skips them).
 from __future__ import annotations
 
 import contextlib
+import errno
 import importlib
 import math
 import os
@@ -218,6 +219,19 @@ class MscStorage(Storage):
                 pass
 
         self._call("delete", path, delete)
+
+    supports_links = True  # as server-side copies: an object store has no second names
+
+    def link(self, source: str, path: str) -> None:
+        """A server-side copy of `source` (S3 CopyObject through msc): an incremental save's
+        unchanged files are never uploaded from here again."""
+        def copy(client, key) -> None:
+            source_client, source_key = _resolve(source)
+            if source_client is not client:
+                raise OSError(errno.EXDEV, f"{source} and {path} are not in the same storage profile")
+            client.copy(source_key, key)
+
+        self._call("copy", path, copy)
 
     def remove_tree(self, path: str) -> None:
         def delete_all(client, key) -> None:

@@ -60,12 +60,23 @@ class WriteOptions:
     separation_hint: Optional[str] = None
     staging_budget_bytes: Optional[int] = None
     staging_threads: int = 1  # CPU copy threads: the trainer waits idle in eager mode, computes in lazy
+    incremental: bool = False  # hash every staged tensor (digests go to the sidecar); see IncrementalBase
     # the trainer's bound on staging and, separately, on the writes; the worker fails a write still
     # running after WORKER_DEADLINE_SHARE of it (naming the file) so its verdict arrives first
     timeout_s: float = 600.0
 
 
 WORKER_DEADLINE_SHARE = 0.9
+
+
+@dataclass(frozen=True)
+class IncrementalBase:
+    """The last committed checkpoint of this rank, for an incremental save: where each of its
+    items lies and the digest of its bytes. An item whose digest is unchanged is not written
+    again: its file is hard-linked into the new checkpoint directory."""
+
+    checkpoint_dir: str
+    items: tuple["ItemWritten", ...]
 
 
 @dataclass
@@ -81,6 +92,7 @@ class SaveRequest:
     file_tag: str = ""  # in every data file name: a save replacing a committed step never touches its files
     fresh_tensors: dict[int, torch.Tensor] = field(default_factory=dict)
     byte_items: dict[int, bytes] = field(default_factory=dict)
+    base: Optional[IncrementalBase] = None  # incremental: link what did not change from here
 
 
 @dataclass(frozen=True)
@@ -113,6 +125,7 @@ class ItemWritten:
     offset: int
     length: int
     crc32: Optional[int] = None
+    digest: Optional[bytes] = None  # incremental saves: XXH3-128 of the tensor (formats.tensor_digest)
 
 
 @dataclass(frozen=True)
@@ -121,8 +134,9 @@ class WriteDone:
 
     save_id: int
     items: tuple[ItemWritten, ...]
-    bytes_written: int
+    bytes_written: int  # every item's bytes (the logical size), linked ones included
     write_s: float
+    bytes_linked: int = 0  # of them, in files hard-linked from the base instead of written
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,8 @@ class SaveReport:
     step: Optional[int]  # None for a save into a directory the caller named without a step
     rank: int
     path: str
-    bytes: int
+    bytes: int  # the checkpoint's size, every rank
+    bytes_written: int  # of it, written by this save (less than `bytes` when incremental)
     blocked_s: float  # time schedule_save held the caller (includes waiting for the previous save)
     backpressure_s: float  # part of blocked_s spent finishing the previous save
     staging_s: float  # worker's copy into its staging pool
@@ -38,9 +39,10 @@ class SaveReport:
 
 def publish(report: SaveReport, metrics_path: Optional[str], on_commit: Optional[Callable[[SaveReport], None]]) -> None:
     log.info(
-        "committed %s: %.1f MB, blocked %.3fs, staging %.3fs, write %.3fs, commit %.3fs, "
+        "committed %s: %.1f MB (%.1f MB written), blocked %.3fs, staging %.3fs, write %.3fs, commit %.3fs, "
         "durable %.3fs (%.2f GB/s), worker %d%s",
         f"step {report.step}" if report.step is not None else report.path, report.bytes / 1e6,
+        report.bytes_written / 1e6,
         report.blocked_s, report.staging_s, report.write_s, report.commit_s, report.durable_s, report.throughput_gbps, report.worker_pid,
         ", cache hit" if report.cache_hit else "",
     )

@@ -11,6 +11,7 @@ import errno
 import os
 import re
 import shutil
+import stat
 import socket
 import threading
 import uuid
@@ -127,6 +128,14 @@ class Storage(ABC):
         """Remove `path` if it is an empty directory; leave anything else alone. Never raises
         for a directory that is not empty or not there."""
 
+    supports_links = False  # `link` works: an incremental save reuses unchanged files through it
+
+    def link(self, source: str, path: str) -> None:
+        """Make `path` hold the committed file `source` without writing its bytes from here (a
+        hard link; a server-side copy on an object store), replacing an uncommitted file there.
+        OSError where it cannot (another filesystem or profile, `source` gone)."""
+        raise OSError(errno.ENOTSUP, f"{type(self).__name__} has no hard links")
+
     def open_uploads(self, path: str) -> list[OpenUpload]:
         """Unfinished multipart uploads of files anywhere under `path` (none on a filesystem)."""
         return []
@@ -140,7 +149,14 @@ class _LocalFile(WriteHandle):
         self.path = path
         self._fsync = fsync
         # O_NOFOLLOW: a symlink planted in a (torn) step directory must not make a save write
-        # through it into a file elsewhere; opening it fails with ELOOP instead.
+        # through it into a file elsewhere; opening it fails with ELOOP instead. A file there with
+        # a second name (a hard link an incremental save made) is unlinked, never truncated: its
+        # bytes may belong to a committed checkpoint.
+        try:
+            if _is_shared_file(os.lstat(path)):
+                os.unlink(path)
+        except FileNotFoundError:
+            pass
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
         self._file = open(fd, "wb", buffering=0)
 
@@ -167,6 +183,10 @@ class _LocalFile(WriteHandle):
                 os.unlink(self.path)
             except OSError:
                 pass
+
+
+def _is_shared_file(st: os.stat_result) -> bool:
+    return stat.S_ISREG(st.st_mode) and st.st_nlink > 1
 
 
 class LocalStorage(Storage):
@@ -197,6 +217,15 @@ class LocalStorage(Storage):
 
     def create(self, path: str, fsync: bool = True, timeout_s: float = 600.0) -> WriteHandle:
         return _LocalFile(path, fsync)
+
+    supports_links = True
+
+    def link(self, source: str, path: str) -> None:
+        try:
+            os.link(source, path, follow_symlinks=False)
+        except FileExistsError:
+            os.unlink(path)
+            os.link(source, path, follow_symlinks=False)
 
     def write_atomic(self, path: str, data: bytes, fsync: bool = True) -> None:
         directory = os.path.dirname(path) or "."

@@ -1,7 +1,10 @@
 """Crash loop: a trainer that saves back to back is SIGKILLed at a random moment of a save, 8 times
 over one root (20 with ASYNCCKPT_STRESS=1). After every kill `load_latest` returns a committed
-step whose values are exactly that step's, `latest` names a committed checkpoint, the committed step never goes backwards, and
-the killed trainer's worker (and writer children) are gone within 10 seconds.
+step whose values are exactly that step's, `latest` names a committed checkpoint, every committed
+checkpoint verifies (its bytes never changed), the committed step never goes backwards, and
+the killed trainer's worker (and writer children) are gone within 10 seconds. Half the trainers
+save incrementally (one tensor never changes: its file is hard-linked from save to save, across
+the kills too, since a resumed trainer continues from the checkpoint it loaded).
 
 Each trainer is a real process forked from a small "zygote" script that has already imported torch,
 so an iteration pays for one interpreter start (its worker's), not two; and the next trainer is
@@ -23,7 +26,7 @@ import psutil
 import pytest
 import torch
 
-from asyncckpt import AsyncCheckpointer, CheckpointConfig, cleanup, latest_checkpoint, load
+from asyncckpt import AsyncCheckpointer, CheckpointConfig, cleanup, latest_checkpoint, load, verify_checkpoint
 from asyncckpt.loading import list_checkpoints, read_latest_marker
 from conftest import stress_size, wait_gone
 
@@ -36,7 +39,7 @@ def expected_state(step: int) -> dict:
     """The state a trainer holds at `step`: every value a function of the step."""
     return {
         "weights": {
-            f"t{i}": torch.arange(NUMEL, dtype=torch.float64) + float(step * 1000 + i) for i in range(TENSORS)
+            f"t{i}": torch.arange(NUMEL, dtype=torch.float64) + float(step * 1000 + i if i else 0) for i in range(TENSORS)
         },
         "meta": {"step": step, "tag": f"step-{step}"},
     }
@@ -50,14 +53,15 @@ ZYGOTE = textwrap.dedent(
 
     TENSORS, NUMEL = {TENSORS}, {NUMEL}
 
-    def train(root, io, go_fd):
+    def train(root, io, incremental, go_fd):
         base = torch.arange(NUMEL, dtype=torch.float64)
         state = {{
             "weights": {{f"t{{i}}": torch.zeros(NUMEL, dtype=torch.float64) for i in range(TENSORS)}},
             "meta": {{"step": 0, "tag": ""}},
         }}
         ckpt = AsyncCheckpointer(root, CheckpointConfig(
-            io=io, io_workers=2, keep_last=2, worker_nice=None, worker_ionice=None, timeout_s=120.0))
+            io=io, io_workers=2, keep_last=2, worker_nice=None, worker_ionice=None, timeout_s=120.0,
+            incremental=incremental == "1"))
         if os.read(go_fd, 1) != b"g":  # the worker starts meanwhile; the root is not touched yet
             return
         resumed = ckpt.load_latest(state)
@@ -65,7 +69,7 @@ ZYGOTE = textwrap.dedent(
         first = True
         while True:
             for i, tensor in enumerate(state["weights"].values()):
-                tensor.copy_(base).add_(float(step * 1000 + i))
+                tensor.copy_(base).add_(float(step * 1000 + i if i else 0))  # t0 never changes
             state["meta"] = {{"step": step, "tag": f"step-{{step}}"}}
             ckpt.schedule_save(state, step=step)
             if first:
@@ -134,22 +138,24 @@ def test_trainer_killed_at_random_points_always_leaves_a_loadable_committed_late
         zygote.stdin.write(text + "\n")
         zygote.stdin.flush()
 
-    def spawn(io: str) -> int:
-        command(f"spawn {root} {io}")
+    def spawn(iteration: int) -> int:
+        """The trainer of `iteration`: io alternates thread/process, incremental two on, two off."""
+        io, incremental = ("process" if iteration % 2 else "thread"), int(iteration % 4 >= 2)
+        command(f"spawn {root} {io} {incremental}")
         line = read_line(zygote.stdout, 30)
         assert line[:1] == ["spawned"], line
         return int(line[1])
 
-    next_trainer, trainer_pid = spawn("thread"), None
+    next_trainer, trainer_pid = spawn(0), None
     try:
         last_step = -1
         for iteration in range(ITERATIONS):
-            io = "process" if iteration % 2 else "thread"
+            io = ("process" if iteration % 2 else "thread") + ("+incremental" if iteration % 4 >= 2 else "")
             trainer_pid = next_trainer
             go_at = time.monotonic()
             command(f"go {trainer_pid}")
             # the next trainer's worker starts while this one runs (two cores: it overlaps)
-            next_trainer = spawn("thread" if iteration % 2 else "process") if iteration + 1 < ITERATIONS else None
+            next_trainer = spawn(iteration + 1) if iteration + 1 < ITERATIONS else None
             line = read_line(zygote.stdout, 120)
             ready_s = time.monotonic() - go_at
             assert line[:2] == ["ready", str(trainer_pid)], line
@@ -181,6 +187,9 @@ def test_trainer_killed_at_random_points_always_leaves_a_loadable_committed_late
             infos = list_checkpoints(root)
             committed = {c.name for c in infos if c.committed}
             assert read_latest_marker(root) in committed
+            for info in infos:  # no save, torn or not, ever wrote into a file a committed one uses
+                if info.committed:
+                    assert verify_checkpoint(info.path) == [], f"iteration {iteration}: {info.name}"
             torn = [c.name for c in infos if not c.committed]
             check_cleanup(root, infos, dry_run=True)  # after every kill, not only at the end
             history.append((iteration, io, round(ready_s, 2), round(delay, 2), step, len(writers), round(worker_gone_s, 2), torn))

@@ -36,6 +36,7 @@ def make_buckets(
     separation_hint: Optional[str] = None,
     fmt: str = TORCH_SAVE,
     tag: str = "",
+    positions: Optional[Sequence[int]] = None,
 ) -> list[Bucket]:
     """Split items into at most `io_workers` files per group, balancing bytes.
 
@@ -43,20 +44,23 @@ def make_buckets(
     Items whose name starts with `separation_hint` form a group of their own files. File names are
     deterministic for the same items and settings. With fmt="safetensors" the bucket files hold
     tensors only and every object goes into one more file, a torch_save `__{rank}_{n}.distcp` after them.
+    `positions` limits the files to those items (an incremental save writes only what changed).
     """
+    chosen = range(len(items)) if positions is None else positions
     groups: list[list[int]] = [[], []]
-    for pos, spec in enumerate(items):
+    for pos in chosen:
+        spec = items[pos]
         separate = separation_hint is not None and spec.index.fqn.startswith(separation_hint)
         groups[1 if separate else 0].append(pos)
 
     buckets: list[Bucket] = []
-    for positions in groups:
-        if not positions:
+    for members in groups:
+        if not members:
             continue
-        count = min(io_workers, len(positions))
+        count = min(io_workers, len(members))
         group = [Bucket(file_name="") for _ in range(count)]
-        tensors = [p for p in positions if items[p].kind == TENSOR]
-        objects = [p for p in positions if items[p].kind != TENSOR and fmt != SAFETENSORS]
+        tensors = [p for p in members if items[p].kind == TENSOR]
+        objects = [p for p in members if items[p].kind != TENSOR and fmt != SAFETENSORS]
         if fmt == SAFETENSORS:
             count = min(io_workers, max(len(tensors), 1))
             group = group[:count]
@@ -73,7 +77,7 @@ def make_buckets(
     for n, bucket in enumerate(buckets):
         bucket.file_name = data_file_name(rank, n, fmt, tag)
         bucket.format = fmt
-    objects = [p for p, spec in enumerate(items) if spec.kind != TENSOR]
+    objects = [p for p in chosen if items[p].kind != TENSOR]
     if fmt == SAFETENSORS and objects:
         name = data_file_name(rank, len(buckets), TORCH_SAVE, tag)
         buckets.append(Bucket(name, objects, sum(object_sizes.get(p, 0) for p in objects)))

@@ -8,21 +8,31 @@ so every round but the last is staged *and written* before `Staged`; the last is
 mode) for that. A tensor larger than the budget is copied through the slab in pieces while it is
 written, before `Staged` too. Files are appended to round after round, so they come out the same
 as without a budget.
+
+An incremental save (`options.incremental`, never with a budget) stages everything first, then
+hashes each tensor: one whose digest equals the base's is not written, its base file is
+hard-linked into the new directory instead, and only the others go into new files.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import time
 from typing import Callable, Optional
 
-from asyncckpt.formats import SAFETENSORS, SafetensorsEntry, safetensors_header
-from asyncckpt.protocol import WORKER_DEADLINE_SHARE, ItemSpec, SaveRequest, WriteDone, WriteOptions
+from asyncckpt.formats import SAFETENSORS, SafetensorsEntry, is_safetensors_file, safetensors_header, tensor_digest
+from asyncckpt.protocol import (
+    TENSOR, WORKER_DEADLINE_SHARE, IncrementalBase, ItemSpec, ItemWritten, SaveRequest, WriteDone, WriteOptions,
+)
 from asyncckpt.storage import Storage, storage_for
 
 from .buckets import Bucket, Round, make_buckets, plan_rounds
 from .cache import CachedStructure
 from .staging import StagingPool
 from .writers import OpenFile, SaveData, WriteError, Writers, describe, write_streamed
+
+log = logging.getLogger("asyncckpt.worker")
 
 
 def run_save(
@@ -35,6 +45,8 @@ def run_save(
 ) -> WriteDone:
     """Stage and write one save; call `on_staged()` once every byte is copied."""
     options = request.options
+    if options.incremental:
+        return _run_incremental(request, entry, pool, writers, rank, on_staged)
     object_sizes = {pos: len(data) for pos, data in request.byte_items.items()}
     buckets = make_buckets(
         entry.items, object_sizes, rank, options.io_workers, options.separation_hint, options.format, request.file_tag
@@ -80,6 +92,88 @@ def run_save(
         bytes_written=sum(item.length for item in written),
         write_s=write_s,
     )
+
+
+def _run_incremental(
+    request: SaveRequest,
+    entry: CachedStructure,
+    pool: StagingPool,
+    writers: Writers,
+    rank: int,
+    on_staged: Callable[[], None],
+) -> WriteDone:
+    """One round: stage everything, say Staged, hash the staged tensors, link the base files
+    that hold unchanged ones, and write the rest (every object, every changed tensor) into new
+    files, named with the save's own tag so they never meet a linked name."""
+    options = request.options
+    storage = storage_for(request.checkpoint_dir)
+    everything = Round(list(range(len(entry.items))))
+    views = _views(entry, pool, [everything], None)
+    data = SaveData(entry.items, views, request.byte_items, options, pool.share())
+    bound = options.timeout_s * WORKER_DEADLINE_SHARE
+    pool.copy_in([entry.sources[p] for p in everything.positions], [views[p] for p in everything.positions],
+                 options.staging_threads)
+    on_staged()
+    deadline = time.monotonic() + bound
+    digests = {pos: tensor_digest(views[pos]) for pos, spec in enumerate(entry.items) if spec.kind == TENSOR}
+    reused = _reusable(request.base, entry.items, digests, storage, request.checkpoint_dir, options.format)
+    to_write = [pos for pos in everything.positions if pos not in reused]
+    object_sizes = {pos: len(b) for pos, b in request.byte_items.items()}
+    buckets = make_buckets(entry.items, object_sizes, rank, options.io_workers, options.separation_hint,
+                           options.format, request.file_tag, positions=to_write)
+    files = open_files(storage, request.checkpoint_dir, buckets, entry.items, options)
+    file_of = {pos: file for file in files for pos in file.bucket.positions}
+    started = time.perf_counter()
+    try:
+        written = writers.run(data, _parts(files, file_of, Round(to_write)), final=True, deadline=deadline) if files else []
+    except BaseException:
+        abort(files)
+        raise
+    position = {_key(spec): pos for pos, spec in enumerate(entry.items)}
+    items = [dataclasses.replace(w, digest=digests.get(position[_key(w)])) for w in written]
+    items += [ItemWritten(entry.items[pos].index, old.relative_path, old.offset, old.length, old.crc32, old.digest)
+              for pos, old in reused.items()]
+    linked = sum(old.length for old in reused.values())
+    log.debug("incremental save %s: %d items written, %d reused (%d bytes linked)", request.checkpoint_dir,
+              len(written), len(reused), linked)
+    return WriteDone(
+        save_id=request.save_id,
+        items=tuple(items),
+        bytes_written=sum(item.length for item in items),
+        write_s=time.perf_counter() - started,
+        bytes_linked=linked,
+    )
+
+
+def _reusable(
+    base: Optional[IncrementalBase], items: tuple[ItemSpec, ...], digests: dict[int, bytes], storage: Storage,
+    directory: str, fmt: str,
+) -> dict[int, ItemWritten]:
+    """The tensors stored unchanged in the base (same name, chunk, digest and format), by
+    position, once the base files holding them are linked into `directory`. A file that cannot
+    be linked (the base was deleted meanwhile, another filesystem) only means its tensors are
+    written again."""
+    if base is None or not storage.supports_links or base.checkpoint_dir == directory:
+        return {}
+    stored = {_key(w): w for w in base.items
+              if w.digest is not None and is_safetensors_file(w.relative_path) == (fmt == SAFETENSORS)}
+    same = {pos: stored[_key(items[pos])] for pos, digest in digests.items()
+            if _key(items[pos]) in stored and stored[_key(items[pos])].digest == digest}
+    linked = set()
+    for name in sorted({w.relative_path for w in same.values()}):
+        try:
+            storage.link(storage.join(base.checkpoint_dir, name), storage.join(directory, name))
+            linked.add(name)
+        except OSError as exc:
+            log.info("incremental save: cannot link %s from %s (%s); writing its tensors again",
+                     name, base.checkpoint_dir, describe(exc))
+    return {pos: w for pos, w in same.items() if w.relative_path in linked}
+
+
+def _key(item) -> tuple:
+    """What identifies an item across saves: its name and chunk offset (ItemSpec or ItemWritten)."""
+    index = item.index
+    return index.fqn, tuple(index.offset) if index.offset is not None else None
 
 
 def open_files(
