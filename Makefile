@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv install test example example-ddp example-lightning bench bench-load bench-doors bench-lightning lint clean
+.PHONY: venv install test example example-ddp example-lightning bench bench-load bench-doors bench-lightning bench-incremental lint clean
 
 venv: $(STAMP)
 
@@ -48,6 +48,9 @@ bench-load: venv
 
 bench-doors: venv
 	$(PY) benchmarks/bench_doors.py --out bench_out/bench_doors.json
+
+bench-incremental: venv
+	$(PY) benchmarks/bench_incremental.py --size-mib 1024 --out bench_out/bench_incremental.json
 
 bench-lightning: venv
 	$(PY) benchmarks/bench_lightning.py --out bench_out/bench_lightning.json
