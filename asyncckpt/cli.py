@@ -1,4 +1,4 @@
-"""`python -m asyncckpt ls|inspect|verify|bench`: look into checkpoints without writing code.
+"""`python -m asyncckpt ls|inspect|verify|export|bench`: look into checkpoints, export one, without writing code.
 
 Exit codes: 0 ok, 1 damage found, 2 usage, 3 missing path, 4 not a checkpoint root/directory,
 5 torn (never committed), 6 unreadable metadata or sidecar, 70 internal error; `bench` returns
@@ -268,6 +268,26 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    """The model of a checkpoint as a Hugging Face `save_pretrained` folder (export.py)."""
+    from .export import export_hf, model_tensors, DTYPES
+
+    if not args.hf:
+        raise CliError("name the output format: --hf (a Hugging Face save_pretrained folder)", EXIT_USAGE)
+    _, path = _checkpoint(args.checkpoint)
+    try:
+        total = sum(t.nbytes for t in model_tensors(path, args.prefix, DTYPES.get(args.dtype), args.trusted))
+        progress = _Progress(total, enabled=not args.quiet)
+        files = export_hf(path, args.out_dir, max_shard_size=args.max_shard_size, dtype=args.dtype,
+                          config_from=args.config_from, prefix=args.prefix, trusted=args.trusted,
+                          progress=progress.advance)
+    except (CheckpointError, ValueError, OSError) as exc:
+        raise CliError(str(exc), EXIT_USAGE if isinstance(exc, ValueError) else EXIT_UNREADABLE) from None
+    progress.finish()
+    print(f"{args.out_dir}: {', '.join(files)} ({_size(total)} of tensors)")
+    return 0
+
+
 def cmd_bench(argv: list[str]) -> int:
     """Run the save benchmark (`bench load ...`: the load benchmark) with every argument passed
     through; its exit code is ours."""
@@ -301,7 +321,20 @@ def build_parser() -> argparse.ArgumentParser:
     verify = _command(sub, cmd_verify, "PATH", where, "re-read every item and check its checksum",
                       f"Re-read every item of a committed checkpoint and check its checksum (CRC32C) from {CHECKSUMS_FILE}; exit 1 on damage.")
     verify.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
-    for command in (inspect, verify):
+    export = sub.add_parser("export", help="write a checkpoint's model as a Hugging Face save_pretrained folder",
+                            description="Write the model part of a checkpoint (asyncckpt's or any stock DCP one) as "
+                            "safetensors files that transformers' from_pretrained loads, streaming one shard at a time.")
+    export.add_argument("checkpoint", metavar="CHECKPOINT", help=where)
+    export.add_argument("out_dir", metavar="OUT_DIR", help="the folder to create (must not exist, or be empty)")
+    export.add_argument("--hf", action="store_true", help="Hugging Face format (the one format so far; required)")
+    export.add_argument("--max-shard-size", default="5GB", help="largest shard, as Hugging Face writes sizes "
+                        "(5GB = 5*10^9 bytes, 100KB, 2GiB); one shard means model.safetensors and no index (default 5GB)")
+    export.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), help="cast floating-point tensors to this dtype")
+    export.add_argument("--config-from", metavar="DIR", help="copy config.json and tokenizer files from this folder")
+    export.add_argument("--prefix", help="the model's key prefix in the checkpoint (default: 'model.')")
+    export.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    export.set_defaults(func=cmd_export)
+    for command in (inspect, verify, export):
         command.add_argument("--trusted", action="store_true", help=f"unpickle {METADATA_FILE} fully instead of refusing "
                              "classes outside DCP's: it can run code, so only for checkpoints whose author you trust")
     sub.add_parser("bench", add_help=False, help="run benchmarks/bench_save.py (bench load: bench_load.py), "

@@ -124,7 +124,7 @@ def write_tensor(sink: ItemSink, tensor: torch.Tensor, fmt: str = TORCH_SAVE) ->
     compact storage. safetensors: its raw bytes."""
     if fmt == SAFETENSORS:
         if tensor.nbytes:
-            sink.write(_raw_bytes(tensor))
+            sink.write(raw_bytes(tensor))
     else:
         torch.save(tensor, sink)
 
@@ -145,7 +145,7 @@ def write_tensor_streamed(
     sink.check_streamed()
 
 
-def _raw_bytes(tensor: torch.Tensor):
+def raw_bytes(tensor: torch.Tensor):
     return tensor.reshape(-1).view(torch.uint8).numpy()
 
 
@@ -157,7 +157,7 @@ def tensor_digest(tensor: torch.Tensor) -> bytes:
     mean an incremental save may reuse the stored item. The GIL is released while hashing."""
     hasher = xxhash.xxh3_128(f"{tensor.dtype}{tuple(tensor.shape)}".encode())
     if tensor.nbytes:
-        hasher.update(_raw_bytes(tensor))
+        hasher.update(raw_bytes(tensor))
     return hasher.digest()
 
 
