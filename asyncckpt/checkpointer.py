@@ -133,8 +133,8 @@ class AsyncCheckpointer:
             file_tag = self._group.broadcast(new_file_tag())
             log.info("replacing committed checkpoint %s at commit (new files *%s)", step_dir, file_tag)
         base = self._incremental_base(step_dir, file_tag)
-        if base is not None:  # its new files never take the name of one linked from the base; and
-            file_tag = new_file_tag()  # after the commit, files a torn save left there are removed
+        if base is not None and not file_tag:  # its new files never take the name of one linked from the
+            file_tag = new_file_tag()  # base; and after the commit, files a torn save left there are removed
         planned = self._planning.build(local, self._group) if changed else self._planning.reuse(local)
         flight = InFlightSave(
             0, step, name, step_dir, planned.metadata, started, 0, planned.reused_plan,
@@ -274,8 +274,8 @@ class AsyncCheckpointer:
             reason = "it is not on a local filesystem (no hard links)"
         elif self._base is None:
             reason = "no committed checkpoint of this run or resumed from yet"
-        elif file_tag or self._base.checkpoint_dir == step_dir:
-            reason = "it replaces a committed checkpoint"
+        elif file_tag and self._base.checkpoint_dir != step_dir:
+            reason = "it replaces a committed checkpoint other than the one it would continue from"
         if reason is None:
             return self._base
         if reason not in self._said_full:

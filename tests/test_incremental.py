@@ -127,6 +127,24 @@ def test_a_resumed_run_continues_incrementally(tmp_path, caplog):
     assert "is a full save: no committed checkpoint" in caplog.text
 
 
+def test_re_saving_the_same_directory_keeps_unchanged_files_in_place(tmp_path):
+    """A save into the directory of the last one (Lightning's last.ckpt) writes only what changed;
+    once tidied, the directory holds just the files its `.metadata` names, and loads whole."""
+    path = str(tmp_path / "last.ckpt")
+    state = frozen_state()
+    with AsyncCheckpointer(config=CheckpointConfig(incremental=True)) as ckpt:
+        for step in range(2):
+            train(state, step)
+            ckpt.schedule_save(state, checkpoint_dir=path)
+            [report] = ckpt.finalize(blocking=True)
+        assert ckpt.wait_tidy()
+    assert report.bytes_written <= 1.25 * HOT_BYTES + 64 * 1024, report
+    named = {info.relative_path for info in dcp.FileSystemReader(path).read_metadata().storage_data.values()}
+    assert {n for n in os.listdir(path) if not n.startswith(".")} == named
+    assert_state_equal(read_back(path, state, "torch_save"), state)
+    assert verify_checkpoint(path) == []
+
+
 def test_a_save_into_a_torn_directory_never_writes_through_a_link(tmp_path):
     """A crashed incremental save leaves hard links to a committed checkpoint's files in a torn
     directory; a later save into that directory replaces the names, and the committed files'

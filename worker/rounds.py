@@ -150,10 +150,11 @@ def _reusable(
     directory: str, fmt: str,
 ) -> dict[int, ItemWritten]:
     """The tensors stored unchanged in the base (same name, chunk, digest and format), by
-    position, once the base files holding them are linked into `directory`. A file that cannot
-    be linked (the base was deleted meanwhile, another filesystem) only means its tensors are
-    written again."""
-    if base is None or not storage.supports_links or base.checkpoint_dir == directory:
+    position, once the base files holding them are linked into `directory` (a re-save of the base's
+    own directory keeps them in place: the trainer names its new files with a fresh tag, and the
+    replaced save's removal spares what the new `.metadata` names). A file that cannot be linked
+    (the base was deleted meanwhile, another filesystem) only means its tensors are written again."""
+    if base is None or not storage.supports_links:
         return {}
     stored = {_key(w): w for w in base.items
               if w.digest is not None and is_safetensors_file(w.relative_path) == (fmt == SAFETENSORS)}
@@ -162,7 +163,11 @@ def _reusable(
     linked = set()
     for name in sorted({w.relative_path for w in same.values()}):
         try:
-            storage.link(storage.join(base.checkpoint_dir, name), storage.join(directory, name))
+            if base.checkpoint_dir == directory:  # a re-save of the base: its files stay where they are
+                if not storage.exists(storage.join(directory, name)):
+                    raise FileNotFoundError(f"{name} is gone")
+            else:
+                storage.link(storage.join(base.checkpoint_dir, name), storage.join(directory, name))
             linked.add(name)
         except OSError as exc:
             log.info("incremental save: cannot link %s from %s (%s); writing its tensors again",
