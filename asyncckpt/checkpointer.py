@@ -22,7 +22,7 @@ from .config import CheckpointConfig, write_options
 from .errors import CheckpointError, CheckpointTimeoutError, WorkerDiedError
 from .formats import new_file_tag
 from .loading import METADATA_FILE, latest_checkpoint, load, step_dir_name
-from .incremental import base_from_checkpoint
+from .incremental import base_from_checkpoint, current_save_id
 from .planning import Planning
 from .ranks import RankGroup, finalize_bound_s
 from .inflight import InFlightSave
@@ -139,7 +139,8 @@ class AsyncCheckpointer:
         flight = InFlightSave(
             0, step, name, step_dir, planned.metadata, started, 0, planned.reused_plan,
             backpressure_s=backpressure_s, collectives_before=collectives_before, file_tag=file_tag,
-            label=label, owns_dir=owns_dir,
+            label=label, owns_dir=owns_dir, replaces=bool(overwrite_any),
+            base_dir=base.checkpoint_dir if base is not None else None,
         )
         try:
             snapshot = take_snapshot(planned)
@@ -276,6 +277,8 @@ class AsyncCheckpointer:
             reason = "no committed checkpoint of this run or resumed from yet"
         elif file_tag and self._base.checkpoint_dir != step_dir:
             reason = "it replaces a committed checkpoint other than the one it would continue from"
+        elif self._base.checkpoint_dir == step_dir and current_save_id(step_dir) != self._base.save_id:
+            reason = "its directory was saved again by someone else since"
         if reason is None:
             return self._base
         if reason not in self._said_full:
@@ -296,7 +299,8 @@ class AsyncCheckpointer:
             self._reset_worker(kill=True)
             flight.outcome = RankOutcome(self.rank, error="unfinished when another rank's finalize stopped waiting")
         target = SaveTarget(
-            self.root, flight.step, flight.name, flight.step_dir, flight.metadata, flight.file_tag, flight.owns_dir
+            self.root, flight.step, flight.name, flight.step_dir, flight.metadata, flight.file_tag, flight.owns_dir,
+            flight.replaces,
         )
         storage = storage_for(flight.step_dir)
         verdict = finish_save(
@@ -306,7 +310,7 @@ class AsyncCheckpointer:
         if not verdict.committed:
             raise CheckpointError(f"{flight.label} not committed: {verdict.error}")
         if self.config.incremental:
-            self._base = IncrementalBase(flight.step_dir, flight.outcome.written.items)
+            self._base = IncrementalBase(flight.step_dir, flight.outcome.written.items, verdict.save_id)
         report = flight.report(self.rank, verdict, flight.outcome, self._group.collectives)
         self._committed.append(report)
         publish(report, self.config.metrics_path, self.config.on_commit)
@@ -370,6 +374,13 @@ class AsyncCheckpointer:
     def in_flight_dir(self) -> Optional[str]:
         """The directory the save in flight writes (None when no save is in flight)."""
         return self._in_flight.step_dir if self._in_flight is not None else None
+
+    @property
+    def base_dirs(self) -> set[str]:
+        """Incremental: the checkpoints whose files the save in flight and the next save reuse
+        (deleting one of them meanwhile only costs those saves their reuse)."""
+        dirs = {self._in_flight.base_dir} if self._in_flight is not None else set()
+        return (dirs | {self._base.checkpoint_dir} if self._base is not None else dirs) - {None}
 
     def _raise_agreed_failure(self, problem: Optional[Exception], label: str, step_dir: str, owns_dir: bool) -> None:
         """Some rank could not start the save: every rank raises, naming the ranks and causes.

@@ -52,6 +52,7 @@ class Verdict:
     total_bytes: int = 0  # the checkpoint's size
     commit_s: float = 0.0
     written_bytes: int = 0  # of it, written by this save (incremental saves link the rest)
+    save_id: Optional[str] = None  # the committed `.metadata`'s StorageMeta.save_id
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,7 @@ class SaveTarget:
     metadata: Optional[Metadata]  # the global metadata; the coordinator's is the one used
     file_tag: str = ""  # set when the save replaces a committed checkpoint of the same step, or links files (incremental)
     owns_dir: bool = True  # the save created the directory: a failed save removes it whole
+    replaces: bool = False  # (agreed by every rank) a committed checkpoint was in the directory: its files go after ours commits
 
 
 @dataclass(frozen=True)
@@ -98,7 +100,7 @@ def _decide(storage: Storage, target: SaveTarget, outcomes: list[RankOutcome], f
     started = time.perf_counter()
     written = [item for o in outcomes for item in o.written.items]
     try:
-        commit_checkpoint(storage, target, written, fsync)
+        save_id = commit_checkpoint(storage, target, written, fsync)
     except Exception as exc:  # any failure here must reach every rank through the verdict
         return _failed(storage, target, f"{what}: commit failed in {target.step_dir}: {exc!r}", len(outcomes) > 1)
     if target.name is not None:
@@ -110,8 +112,8 @@ def _decide(storage: Storage, target: SaveTarget, outcomes: list[RankOutcome], f
     total = sum(o.written.bytes_written for o in outcomes)
     written_now = total - sum(o.written.bytes_linked for o in outcomes)
     retention = keep_last if target.name is not None else None
-    tidy = Tidy(root, target.step_dir, bool(target.file_tag), retention)
-    return Decision(Verdict(True, None, total, time.perf_counter() - started, written_now), tidy)
+    tidy = Tidy(root, target.step_dir, target.replaces, retention)
+    return Decision(Verdict(True, None, total, time.perf_counter() - started, written_now, save_id), tidy)
 
 
 def _failed(storage: Storage, target: SaveTarget, error: str, ranks_wait: bool) -> Decision:
@@ -126,9 +128,9 @@ def _failed(storage: Storage, target: SaveTarget, error: str, ranks_wait: bool) 
     return Decision(Verdict(False, error), tidy)
 
 
-def commit_checkpoint(storage: Storage, target: SaveTarget, written: list[ItemWritten], fsync: bool) -> None:
-    """Write the sidecar and `.metadata` for a save whose data files are all durable. Returns once
-    `.metadata` is in place (the save is committed); raises only when it is not.
+def commit_checkpoint(storage: Storage, target: SaveTarget, written: list[ItemWritten], fsync: bool) -> str:
+    """Write the sidecar and `.metadata` for a save whose data files are all durable. Returns its
+    save id once `.metadata` is in place (the save is committed); raises only when it is not.
 
     A save replacing a committed checkpoint writes its sidecar under its own name
     (`.checksums.<save_id>.json`), so the committed checkpoint keeps a matching sidecar until
@@ -179,6 +181,7 @@ def commit_checkpoint(storage: Storage, target: SaveTarget, written: list[ItemWr
         except OSError as exc:
             log.error("%s is committed, but syncing %s failed: %r; it may not survive a power loss",
                       step_dir, parent, exc)
+    return save_id
 
 
 def _holds(storage: Storage, path: str, payload: bytes) -> bool:

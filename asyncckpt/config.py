@@ -42,8 +42,8 @@ class CheckpointConfig:
     on_commit: called with the SaveReport of every committed save.
     incremental: write only tensors whose bytes changed since this rank's last committed save (or
         the checkpoint load_latest resumed from); unchanged ones stay in their files, hard-linked
-        into the new directory, so every checkpoint is still complete. Local filesystems only
-        (elsewhere every save is full, logged once); see docs/usage.md.
+        into the new directory (server-side copies on object stores), so every checkpoint is still
+        complete; see docs/usage.md.
     """
 
     io: str = "thread"

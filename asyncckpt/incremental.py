@@ -16,7 +16,7 @@ from .errors import CheckpointError
 from .protocol import IncrementalBase, ItemWritten
 from .safe_reader import read_metadata
 from .storage import storage_for
-from .verify import find_sidecar, read_sidecar, sidecar_belongs_to
+from .verify import committed_save_id, find_sidecar, read_sidecar, sidecar_belongs_to
 
 log = logging.getLogger("asyncckpt")
 
@@ -49,4 +49,12 @@ def base_from_checkpoint(path: str, rank: int) -> Optional[IncrementalBase]:
     if not items:
         log.info("the next save is a full one: %s records no tensor digests of rank %d", path, rank)
         return None
-    return IncrementalBase(path, tuple(items))
+    return IncrementalBase(path, tuple(items), committed_save_id(metadata))
+
+
+def current_save_id(path: str) -> Optional[str]:
+    """The save id of the checkpoint committed in `path` now (None: none, or unreadable)."""
+    try:
+        return committed_save_id(read_metadata(path))
+    except (OSError, CheckpointError):
+        return None

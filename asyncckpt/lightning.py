@@ -200,9 +200,12 @@ class AsyncCheckpointIO(CheckpointIO):
         for saver in self._savers:
             if self._busy_with(saver) == target:
                 return saver
-        for saver in self._savers:
-            if self._busy_with(saver) is None:
+        idle = [saver for saver in self._savers if self._busy_with(saver) is None]
+        for saver in idle:  # incremental: the one whose last save was this path reuses its files in place
+            if target in saver.base_dirs:
                 return saver
+        if idle:
+            return idle[0]
         if len(self._savers) < self.max_in_flight:
             return self._new_saver()
         return self._savers[0]
@@ -230,8 +233,9 @@ class AsyncCheckpointIO(CheckpointIO):
         return saver
 
     def _finish_saves_of(self, target: str) -> None:
+        """Commit the saves writing `target`, and (incremental) those reusing its files."""
         for saver in self._savers:
-            if self._busy_with(saver) == target:
+            if self._busy_with(saver) == target or (saver.in_flight_dir is not None and target in saver.base_dirs):
                 self._schedule_deferred(saver)
                 self._finalize(saver, blocking=True)
 

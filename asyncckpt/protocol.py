@@ -77,6 +77,7 @@ class IncrementalBase:
 
     checkpoint_dir: str
     items: tuple["ItemWritten", ...]
+    save_id: Optional[str] = None  # its `.metadata`'s: a re-save of its directory reuses files only while it is still the committed one
 
 
 @dataclass

@@ -299,6 +299,35 @@ def test_bad_input_is_refused_clearly(tmp_path):
     assert AsyncCheckpointIO(trusted=True, max_in_flight=1).load_checkpoint(path)["hyper_parameters"]["obj"].value == 3
 
 
+def test_incremental_saves_in_lightnings_pattern_reuse_the_frozen_weights(tmp_path):
+    """ModelCheckpoint's event (save the new top-k, save last.ckpt, remove the previous best) with
+    incremental=True and a mostly frozen model: from the second event on each save writes only the
+    trained tensors, and every kept checkpoint loads as saved."""
+    reports = []
+    plugin = AsyncCheckpointIO(CheckpointConfig(incremental=True, on_commit=reports.append))
+    frozen = {f"encoder.{i}": torch.randn(1 << 18) for i in range(4)}  # 4 MiB never trained
+    head = torch.zeros(1 << 16)  # 256 KiB trained
+    try:
+        previous = None
+        for step in range(1, 4):
+            head.add_(1.0)
+            checkpoint = {"state_dict": {**frozen, "head": head}, "global_step": step}
+            best = str(tmp_path / f"epoch=0-step={step}.ckpt")
+            plugin.save_checkpoint(checkpoint, best)
+            plugin.save_checkpoint(checkpoint, str(tmp_path / "last.ckpt"))
+            if previous is not None:
+                plugin.remove_checkpoint(previous)
+            previous = best
+        plugin.teardown()
+        for path in (best, str(tmp_path / "last.ckpt")):
+            assert_exactly_equal(plugin.load_checkpoint(path), checkpoint)
+            assert verify_checkpoint(path) == []
+    finally:
+        plugin.close()
+    assert len(reports) == 6 and all(r.bytes_written < (1 << 20) for r in reports[2:]), [r.bytes_written for r in reports]
+    assert sorted(os.listdir(tmp_path)) == ["epoch=0-step=3.ckpt", "last.ckpt"]
+
+
 def test_importing_asyncckpt_does_not_import_lightning():
     code = "import sys, asyncckpt; assert not any(m.split('.')[0] in ('lightning', 'pytorch_lightning') for m in sys.modules)"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

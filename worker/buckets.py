@@ -37,6 +37,7 @@ def make_buckets(
     fmt: str = TORCH_SAVE,
     tag: str = "",
     positions: Optional[Sequence[int]] = None,
+    first: int = 0,
 ) -> list[Bucket]:
     """Split items into at most `io_workers` files per group, balancing bytes.
 
@@ -44,7 +45,8 @@ def make_buckets(
     Items whose name starts with `separation_hint` form a group of their own files. File names are
     deterministic for the same items and settings. With fmt="safetensors" the bucket files hold
     tensors only and every object goes into one more file, a torch_save `__{rank}_{n}.distcp` after them.
-    `positions` limits the files to those items (an incremental save writes only what changed).
+    `positions` limits the files to those items (an incremental save writes only what changed);
+    their numbers start at `first`.
     """
     chosen = range(len(items)) if positions is None else positions
     groups: list[list[int]] = [[], []]
@@ -75,11 +77,11 @@ def make_buckets(
         buckets.extend(b for b in group if b.positions)
 
     for n, bucket in enumerate(buckets):
-        bucket.file_name = data_file_name(rank, n, fmt, tag)
+        bucket.file_name = data_file_name(rank, first + n, fmt, tag)
         bucket.format = fmt
     objects = [p for p in chosen if items[p].kind != TENSOR]
     if fmt == SAFETENSORS and objects:
-        name = data_file_name(rank, len(buckets), TORCH_SAVE, tag)
+        name = data_file_name(rank, first + len(buckets), TORCH_SAVE, tag)
         buckets.append(Bucket(name, objects, sum(object_sizes.get(p, 0) for p in objects)))
     return buckets
 

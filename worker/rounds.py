@@ -17,11 +17,15 @@ hard-linked into the new directory instead, and only the others go into new file
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
+import struct
 import time
 from typing import Callable, Optional
 
-from asyncckpt.formats import SAFETENSORS, SafetensorsEntry, is_safetensors_file, safetensors_header, tensor_digest
+from asyncckpt.formats import (
+    DCP_SHARDING_INFO, SAFETENSORS, SafetensorsEntry, is_safetensors_file, safetensors_header, tensor_digest,
+)
 from asyncckpt.protocol import (
     TENSOR, WORKER_DEADLINE_SHARE, IncrementalBase, ItemSpec, ItemWritten, SaveRequest, WriteDone, WriteOptions,
 )
@@ -116,16 +120,29 @@ def _run_incremental(
     on_staged()
     deadline = time.monotonic() + bound
     digests = {pos: tensor_digest(views[pos]) for pos, spec in enumerate(entry.items) if spec.kind == TENSOR}
-    reused = _reusable(request.base, entry.items, digests, storage, request.checkpoint_dir, options.format)
+    unchanged, reused = _reusable(
+        request.base, entry.items, digests, storage, request.checkpoint_dir, options.format, deadline
+    )
     to_write = [pos for pos in everything.positions if pos not in reused]
     object_sizes = {pos: len(b) for pos, b in request.byte_items.items()}
+    # unchanged tensors written again (their old file was mostly stale) get files of their own,
+    # apart from the changed ones, so the next save can reuse those files whole
+    settled = [pos for pos in to_write if pos in unchanged]
     buckets = make_buckets(entry.items, object_sizes, rank, options.io_workers, options.separation_hint,
-                           options.format, request.file_tag, positions=to_write)
+                           options.format, request.file_tag, positions=settled)
+    buckets += make_buckets(entry.items, object_sizes, rank, options.io_workers, options.separation_hint,
+                            options.format, request.file_tag, positions=[p for p in to_write if p not in unchanged],
+                            first=len(buckets))
+    taken = {w.relative_path for w in reused.values()}
+    for bucket in buckets:  # a fresh 32-bit tag meeting a reused name: fail rather than write over it
+        if bucket.file_name in taken or storage.exists(storage.join(request.checkpoint_dir, bucket.file_name)):
+            raise WriteError(storage.join(request.checkpoint_dir, bucket.file_name),
+                             "the save's file name is taken (a tag collision); the next save picks another")
     files = open_files(storage, request.checkpoint_dir, buckets, entry.items, options)
-    file_of = {pos: file for file in files for pos in file.bucket.positions}
     started = time.perf_counter()
     try:
-        written = writers.run(data, _parts(files, file_of, Round(to_write)), final=True, deadline=deadline) if files else []
+        parts = [(file, list(file.bucket.positions)) for file in files]  # bucket order: a safetensors header's
+        written = writers.run(data, parts, final=True, deadline=deadline) if files else []
     except BaseException:
         abort(files)
         raise
@@ -147,32 +164,65 @@ def _run_incremental(
 
 def _reusable(
     base: Optional[IncrementalBase], items: tuple[ItemSpec, ...], digests: dict[int, bytes], storage: Storage,
-    directory: str, fmt: str,
-) -> dict[int, ItemWritten]:
-    """The tensors stored unchanged in the base (same name, chunk, digest and format), by
-    position, once the base files holding them are linked into `directory` (a re-save of the base's
+    directory: str, fmt: str, deadline: float,
+) -> tuple[set[int], dict[int, ItemWritten]]:
+    """The positions of the tensors stored unchanged in the base (same name, chunk, digest and
+    format), and those of them reused, with where they lie, once the base files holding them are
+    linked into `directory` (a re-save of the base's
     own directory keeps them in place: the trainer names its new files with a fresh tag, and the
-    replaced save's removal spares what the new `.metadata` names). A file that cannot be linked
-    (the base was deleted meanwhile, another filesystem) only means its tensors are written again."""
+    replaced save's removal spares what the new `.metadata` names).
+
+    A base file is reused only while at least half its bytes are still wanted (otherwise its
+    unchanged tensors are written again: stale bytes never pile up, and what a checkpoint keeps
+    on disk stays under twice its size), and a safetensors file only when every tensor its header
+    lists is reused (readers that index the headers, like DCP's HuggingFaceStorageReader, must
+    never meet an old value of a changed tensor). A file that cannot be linked (the base was
+    deleted meanwhile, another filesystem) only means its tensors are written again."""
     if base is None or not storage.supports_links:
-        return {}
+        return set(), {}
     stored = {_key(w): w for w in base.items
               if w.digest is not None and is_safetensors_file(w.relative_path) == (fmt == SAFETENSORS)}
     same = {pos: stored[_key(items[pos])] for pos, digest in digests.items()
             if _key(items[pos]) in stored and stored[_key(items[pos])].digest == digest}
+    wanted: dict[str, list[ItemWritten]] = {}
+    for w in same.values():
+        wanted.setdefault(w.relative_path, []).append(w)
     linked = set()
-    for name in sorted({w.relative_path for w in same.values()}):
+    for name, reused in sorted(wanted.items()):
+        if time.monotonic() > deadline:
+            raise WriteError(storage.join(directory, name), "linking the unchanged files did not finish in time")
+        source = storage.join(base.checkpoint_dir, name)
         try:
+            if 2 * sum(w.length for w in reused) < storage.size(source):
+                log.debug("incremental save: %s is mostly stale; writing its %d unchanged tensors again", name, len(reused))
+                continue
+            if is_safetensors_file(name) and _header_keys(storage, source) != {_key(w) for w in reused}:
+                continue
             if base.checkpoint_dir == directory:  # a re-save of the base: its files stay where they are
-                if not storage.exists(storage.join(directory, name)):
-                    raise FileNotFoundError(f"{name} is gone")
+                pass
             else:
-                storage.link(storage.join(base.checkpoint_dir, name), storage.join(directory, name))
+                storage.link(source, storage.join(directory, name))
             linked.add(name)
-        except OSError as exc:
-            log.info("incremental save: cannot link %s from %s (%s); writing its tensors again",
+        except (OSError, ValueError) as exc:
+            log.info("incremental save: cannot reuse %s from %s (%s); writing its tensors again",
                      name, base.checkpoint_dir, describe(exc))
-    return {pos: w for pos, w in same.items() if w.relative_path in linked}
+    return set(same), {pos: w for pos, w in same.items() if w.relative_path in linked}
+
+
+def _header_keys(storage: Storage, path: str) -> set[tuple]:
+    """(name, chunk offset) of every tensor a safetensors data file of ours holds."""
+    (length,) = struct.unpack("<Q", storage.read_bytes(path, 0, 8))
+    if length > 100 << 20:
+        raise ValueError(f"{path}: a safetensors header of {length} bytes")
+    header = json.loads(storage.read_bytes(path, 8, length))
+    sharding = json.loads(header.get("__metadata__", {}).get(DCP_SHARDING_INFO, "{}"))
+    keys = set()
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        offsets = sharding.get(name, {}).get("saved_offsets", [0] * len(entry["shape"]))
+        keys.add((name.split("@[", 1)[0], tuple(offsets)))
+    return keys
 
 
 def _key(item) -> tuple:
