@@ -51,8 +51,7 @@ def read_back(path: str, expected: dict, fmt: str) -> dict:
     return target
 
 
-@pytest.mark.parametrize("io", ["thread", "process"])
-@pytest.mark.parametrize("fmt", ["torch_save", "safetensors"])
+@pytest.mark.parametrize("io, fmt", [("thread", "torch_save"), ("process", "safetensors")])  # each mode once
 def test_a_mostly_frozen_state_writes_only_what_changed_and_every_checkpoint_is_whole(tmp_path, io, fmt):
     """From the second save on (safetensors: the third, as the second writes again the unchanged
     tensors that shared a file with changed ones) each checkpoint costs at most 1.25x the changed
