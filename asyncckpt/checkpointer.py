@@ -22,7 +22,7 @@ from .config import CheckpointConfig, write_options
 from .errors import CheckpointError, CheckpointTimeoutError, WorkerDiedError
 from .formats import new_file_tag
 from .loading import METADATA_FILE, latest_checkpoint, load, step_dir_name
-from .incremental import base_from_checkpoint, current_save_id
+from .incremental import Continuation
 from .planning import Planning
 from .ranks import RankGroup, finalize_bound_s
 from .inflight import InFlightSave
@@ -72,8 +72,7 @@ class AsyncCheckpointer:
         self._closed = False
         self._warned_copies = False
         self._janitor = Janitor()  # retention, after each commit's verdict
-        self._base: Optional[IncrementalBase] = None  # incremental: this rank's last committed save
-        self._said_full: set[str] = set()  # why incremental saves were full (each said once)
+        self._incremental = Continuation(config.incremental, self.rank)
         at_exit.track(self)
         self._start_worker()  # spawn now, so the first save does not pay for the interpreter start
 
@@ -132,7 +131,7 @@ class AsyncCheckpointer:
         if overwrite_any:  # new files get other names; the old checkpoint stays committed until ours is
             file_tag = self._group.broadcast(new_file_tag())
             log.info("replacing committed checkpoint %s at commit (new files *%s)", step_dir, file_tag)
-        base = self._incremental_base(step_dir, file_tag)
+        base = self._incremental.base_for(step_dir, file_tag)
         if base is not None and not file_tag:  # its new files never take the name of one linked from the
             file_tag = new_file_tag()  # base; and after the commit, files a torn save left there are removed
         planned = self._planning.build(local, self._group) if changed else self._planning.reuse(local)
@@ -207,8 +206,7 @@ class AsyncCheckpointer:
         if info is None:
             return None
         load(state_dict, info.path, trusted=trusted, process_group=self._group.pg)
-        if self.config.incremental:
-            self._base = base_from_checkpoint(info.path, self.rank)  # the next save continues from it
+        self._incremental.resumed(info.path)  # the next save continues from it
         log.info("resumed from %s (step %d)", info.path, info.step)
         return info.step
 
@@ -265,27 +263,6 @@ class AsyncCheckpointer:
             base=base,
         )
 
-    def _incremental_base(self, step_dir: str, file_tag: str) -> Optional[IncrementalBase]:
-        """The committed save an incremental save reuses unchanged tensors from, or None for a
-        full save (the reason logged once)."""
-        if not self.config.incremental:
-            return None
-        reason = None
-        if not storage_for(step_dir).supports_links:
-            reason = "it is not on a local filesystem (no hard links)"
-        elif self._base is None:
-            reason = "no committed checkpoint of this run or resumed from yet"
-        elif file_tag and self._base.checkpoint_dir != step_dir:
-            reason = "it replaces a committed checkpoint other than the one it would continue from"
-        elif self._base.checkpoint_dir == step_dir and current_save_id(step_dir) != self._base.save_id:
-            reason = "its directory was saved again by someone else since"
-        if reason is None:
-            return self._base
-        if reason not in self._said_full:
-            self._said_full.add(reason)
-            log.info("incremental save to %s is a full save: %s", step_dir, reason)
-        return None
-
     def _finish_in_flight(self, blocking: bool) -> None:
         flight = self._in_flight
         if flight.outcome is None:
@@ -309,8 +286,7 @@ class AsyncCheckpointer:
         self._in_flight = None
         if not verdict.committed:
             raise CheckpointError(f"{flight.label} not committed: {verdict.error}")
-        if self.config.incremental:
-            self._base = IncrementalBase(flight.step_dir, flight.outcome.written.items, verdict.save_id)
+        self._incremental.committed(flight.step_dir, flight.outcome.written.items, verdict.save_id)
         report = flight.report(self.rank, verdict, flight.outcome, self._group.collectives)
         self._committed.append(report)
         publish(report, self.config.metrics_path, self.config.on_commit)
@@ -379,8 +355,8 @@ class AsyncCheckpointer:
     def base_dirs(self) -> set[str]:
         """Incremental: the checkpoints whose files the save in flight and the next save reuse
         (deleting one of them meanwhile only costs those saves their reuse)."""
-        dirs = {self._in_flight.base_dir} if self._in_flight is not None else set()
-        return (dirs | {self._base.checkpoint_dir} if self._base is not None else dirs) - {None}
+        in_flight = self._in_flight.base_dir if self._in_flight is not None else None
+        return {self._incremental.base_dir, in_flight} - {None}
 
     def _raise_agreed_failure(self, problem: Optional[Exception], label: str, step_dir: str, owns_dir: bool) -> None:
         """Some rank could not start the save: every rank raises, naming the ranks and causes.

@@ -1,6 +1,6 @@
 """Incremental saves, trainer side: the committed checkpoint a save continues from.
 
-Within a run it is this rank's last committed save (kept by AsyncCheckpointer). After a resume
+Within a run it is this rank's last committed save (`Continuation`). After a resume
 it is read back from the loaded checkpoint's sidecar, which records every tensor's digest; only
 entries that agree with its `.metadata` and lie in this rank's own files are trusted. The worker
 decides per tensor (worker/rounds.py)."""
@@ -19,6 +19,48 @@ from .storage import storage_for
 from .verify import committed_save_id, find_sidecar, read_sidecar, sidecar_belongs_to
 
 log = logging.getLogger("asyncckpt")
+
+
+class Continuation:
+    """One checkpointer's incremental state: the committed save its next save reuses files of."""
+
+    def __init__(self, enabled: bool, rank: int) -> None:
+        self.enabled, self.rank = enabled, rank
+        self.base: Optional[IncrementalBase] = None
+        self._said: set[str] = set()  # why saves were full (each reason logged once)
+
+    @property
+    def base_dir(self) -> Optional[str]:
+        return self.base.checkpoint_dir if self.base is not None else None
+
+    def base_for(self, step_dir: str, file_tag: str) -> Optional[IncrementalBase]:
+        """The base of a save into `step_dir` (`file_tag` set: it replaces a committed checkpoint
+        there), or None for a full save, the reason logged once."""
+        if not self.enabled:
+            return None
+        reason = None
+        if not storage_for(step_dir).supports_links:
+            reason = "its storage can neither link nor copy files server-side"
+        elif self.base is None:
+            reason = "no committed checkpoint of this run or resumed from yet"
+        elif file_tag and self.base.checkpoint_dir != step_dir:
+            reason = "it replaces a committed checkpoint other than the one it would continue from"
+        elif self.base.checkpoint_dir == step_dir and current_save_id(step_dir) != self.base.save_id:
+            reason = "its directory was saved again by someone else since"
+        if reason is None:
+            return self.base
+        if reason not in self._said:
+            self._said.add(reason)
+            log.info("incremental save to %s is a full save: %s", step_dir, reason)
+        return None
+
+    def committed(self, step_dir: str, items: tuple[ItemWritten, ...], save_id: Optional[str]) -> None:
+        if self.enabled:
+            self.base = IncrementalBase(step_dir, items, save_id)
+
+    def resumed(self, path: str) -> None:
+        if self.enabled:
+            self.base = base_from_checkpoint(path, self.rank)
 
 
 def base_from_checkpoint(path: str, rank: int) -> Optional[IncrementalBase]:
