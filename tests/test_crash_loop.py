@@ -47,7 +47,7 @@ def expected_state(step: int) -> dict:
 
 ZYGOTE = textwrap.dedent(
     f"""
-    import os, random, signal, sys, time
+    import os, random, signal, sys, time, traceback
     import torch
     from asyncckpt import AsyncCheckpointer, CheckpointConfig
 
@@ -90,7 +90,10 @@ ZYGOTE = textwrap.dedent(
                     for fd in [write_fd, *go.values()]:
                         os.close(fd)
                     train(*args, read_fd)
+                except BaseException:
+                    traceback.print_exc()  # to trainers.stderr: os._exit below would swallow it
                 finally:
+                    sys.stderr.flush()
                     os._exit(1)
             os.close(read_fd)
             go[pid] = write_fd

@@ -37,6 +37,7 @@ from .staging import StagingPool
 from .writers import OpenFile, SaveData, WriteError, Writers, describe, write_streamed
 
 log = logging.getLogger("asyncckpt.worker")
+COMMIT_FILE = ".metadata"  # safe_reader.METADATA_FILE (the worker does not import the trainer side)
 
 
 def run_save(
@@ -133,11 +134,15 @@ def _run_incremental(
     buckets += make_buckets(entry.items, object_sizes, rank, options.io_workers, options.separation_hint,
                             options.format, request.file_tag, positions=[p for p in to_write if p not in unchanged],
                             first=len(buckets))
+    # a fresh 32-bit tag meeting the name of a file a committed checkpoint uses (one reused here, or
+    # one of the checkpoint this save replaces): fail rather than write over it. A torn save's
+    # leftovers are fair game.
     taken = {w.relative_path for w in reused.values()}
-    for bucket in buckets:  # a fresh 32-bit tag meeting a reused name: fail rather than write over it
-        if bucket.file_name in taken or storage.exists(storage.join(request.checkpoint_dir, bucket.file_name)):
-            raise WriteError(storage.join(request.checkpoint_dir, bucket.file_name),
-                             "the save's file name is taken (a tag collision); the next save picks another")
+    committed_here = storage.exists(storage.join(request.checkpoint_dir, COMMIT_FILE))
+    for bucket in buckets:
+        path = storage.join(request.checkpoint_dir, bucket.file_name)
+        if bucket.file_name in taken or (committed_here and storage.exists(path)):
+            raise WriteError(path, "the save's file name is taken (a tag collision); the next save picks another")
     files = open_files(storage, request.checkpoint_dir, buckets, entry.items, options)
     started = time.perf_counter()
     try:
