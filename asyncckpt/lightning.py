@@ -271,10 +271,11 @@ class AsyncCheckpointIO(CheckpointIO):
                 if self._closed:
                     return
                 for saver in self._savers:
-                    self._schedule_deferred(saver)
+                    if saver.worker_ready:  # not before: the hand-off would hold the lock the trainer's next save needs
+                        self._schedule_deferred(saver)
                     if saver.in_flight_dir is not None:
                         self._finalize(saver, blocking=False)
-                pending = any(saver.in_flight_dir is not None for saver in self._savers)
+                pending = any(saver.in_flight_dir is not None or saver in self._deferred for saver in self._savers)
                 if not pending:
                     self._wake.clear()  # under the lock: a save scheduled after this sets it again
             if pending:
