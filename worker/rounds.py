@@ -173,9 +173,9 @@ def _reusable(
 ) -> tuple[set[int], dict[int, ItemWritten]]:
     """The positions of the tensors stored unchanged in the base (same name, chunk, digest and
     format), and those of them reused, with where they lie, once the base files holding them are
-    linked into `directory` (a re-save of the base's
-    own directory keeps them in place: the trainer names its new files with a fresh tag, and the
-    replaced save's removal spares what the new `.metadata` names).
+    linked into `directory` (a re-save of the base's own directory keeps them in place: the
+    trainer names its new files with a fresh tag, and the replaced save's removal spares what the
+    new `.metadata` names).
 
     A base file is reused only while at least half its bytes are still wanted (otherwise its
     unchanged tensors are written again: stale bytes never pile up, and what a checkpoint keeps
@@ -203,12 +203,10 @@ def _reusable(
                 continue
             if is_safetensors_file(name) and _header_keys(storage, source) != {_key(w) for w in reused}:
                 continue
-            if base.checkpoint_dir == directory:  # a re-save of the base: its files stay where they are
-                pass
-            else:
+            if base.checkpoint_dir != directory:  # a re-save of the base keeps its files where they are
                 storage.link(source, storage.join(directory, name))
             linked.add(name)
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, KeyError, TypeError) as exc:  # (a damaged header among them)
             log.info("incremental save: cannot reuse %s from %s (%s); writing its tensors again",
                      name, base.checkpoint_dir, describe(exc))
     return set(same), {pos: w for pos, w in same.items() if w.relative_path in linked}
