@@ -301,8 +301,9 @@ def test_bad_input_is_refused_clearly(tmp_path):
 
 def test_incremental_saves_in_lightnings_pattern_reuse_the_frozen_weights(tmp_path):
     """ModelCheckpoint's event (save the new top-k, save last.ckpt, remove the previous best) with
-    incremental=True and a mostly frozen model: from the second event on each save writes only the
-    trained tensors, and every kept checkpoint loads as saved."""
+    incremental=True and a mostly frozen model: only each of the plugin's two checkpointers' first
+    save is full, every other save writes only the trained tensors, and every kept checkpoint loads
+    as saved."""
     reports = []
     plugin = AsyncCheckpointIO(CheckpointConfig(incremental=True, on_commit=reports.append))
     frozen = {f"encoder.{i}": torch.randn(1 << 18) for i in range(4)}  # 4 MiB never trained
@@ -324,7 +325,8 @@ def test_incremental_saves_in_lightnings_pattern_reuse_the_frozen_weights(tmp_pa
             assert verify_checkpoint(path) == []
     finally:
         plugin.close()
-    assert len(reports) == 6 and all(r.bytes_written < (1 << 20) for r in reports[2:]), [r.bytes_written for r in reports]
+    full = [r.bytes_written for r in reports if r.bytes_written >= 1 << 20]  # in commit order, savers interleave
+    assert len(reports) == 6 and len(full) <= 2, [r.bytes_written for r in reports]  # each saver's first save only
     assert sorted(os.listdir(tmp_path)) == ["epoch=0-step=3.ckpt", "last.ckpt"]
 
 
