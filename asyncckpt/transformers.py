@@ -1,0 +1,418 @@
+"""Asynchronous checkpoints for the Hugging Face Transformers `Trainer`.
+
+`AsyncCheckpointTrainer` is `transformers.Trainer` with the same arguments; `AsyncCheckpointMixin`
+gives any Trainer subclass the same (`class MyTrainer(AsyncCheckpointMixin, SFTTrainer)`). At each
+`save_steps` the model, optimizer, scheduler, scaler, RNG states and trainer state are staged and
+the call returns; the worker writes `output_dir/checkpoint-{step}` while training goes on, and the
+save commits when its `.metadata` lands (polled at every step's end, and before `train()` returns).
+
+`checkpoint-N` is a stock DCP checkpoint. Its items: `model.*` (the model's `state_dict()`),
+`optimizer.*` (torch.distributed.checkpoint.state_dict's form, keyed by parameter names),
+`scheduler.*`, `scaler.*`, `rng.*` (tensors; no pickled NumPy), and `trainer_state` (the JSON text
+of `TrainerState`). Beside them, `trainer_state.json` and `config.json` for the tools that read them.
+
+Resuming picks the newest *committed* `checkpoint-N` (a folder a killed run left without
+`.metadata` is never used); `trainer.train(resume_from_checkpoint=path)` also accepts a stock
+Trainer checkpoint folder. Rotation (`save_total_limit`) runs after each commit and never deletes
+the save in flight, the newest committed checkpoint or the best one.
+
+This module imports Transformers (`pip install asyncckpt[hf]`); `import asyncckpt` does not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import random
+import re
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+try:
+    import transformers
+    from transformers.trainer_callback import TrainerCallback
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+except ImportError as exc:  # asyncckpt itself does not depend on Transformers
+    raise ImportError("asyncckpt.transformers needs Transformers: pip install 'asyncckpt[hf]'") from exc
+
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+from .checkpointer import AsyncCheckpointer
+from .config import CheckpointConfig
+from .errors import CheckpointError
+from .loading import METADATA_FILE, load
+from .safe_reader import read_metadata
+from .storage import storage_for
+
+log = logging.getLogger("asyncckpt")
+
+__all__ = ["AsyncCheckpointMixin", "AsyncCheckpointTrainer"]
+
+TRAINER_STATE_FILE = "trainer_state.json"
+STOCK_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                      "pytorch_model.bin.index.json", "adapter_model.safetensors", "adapter_model.bin")
+_CHECKPOINT_NAME = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
+
+
+class AsyncCheckpointMixin:
+    """Put before a `transformers.Trainer` subclass in the bases. The constructor takes exactly
+    that Trainer's arguments; set `checkpoint_config` (a CheckpointConfig; class attribute or on
+    the instance before `train()`) to change how saves are written."""
+
+    checkpoint_config: Optional[CheckpointConfig] = None
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        _refuse_unsupported(self)
+        self._checkpointer: Optional[AsyncCheckpointer] = None
+        self._opened_with: Optional[CheckpointConfig] = None
+        self.add_callback(_CommitPoller(self))
+        self._open_checkpointer()  # its worker starts now, so the first save need not wait for it
+
+    # training --------------------------------------------------------------------------------
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        """Trainer.train, with saves in the background. `resume_from_checkpoint=True` resumes from
+        the newest committed checkpoint; every save is committed before this returns."""
+        resume = _resume_target(self.args.output_dir, resume_from_checkpoint)
+        if resume is not None and _is_committed(resume):
+            _restore_trainer_state_file(resume)
+        self._open_checkpointer()  # a train() after another one starts a fresh worker
+        try:
+            output = super().train(resume, *args, **kwargs)
+        except BaseException:
+            self._close_checkpointer(quietly=True)  # saves already staged still commit
+            raise
+        self._close_checkpointer()
+        return output
+
+    def _finalize_training(self, *args, **kwargs):  # Transformers >= 5: best-model loading and
+        self._commit(blocking=True)  # save_total_limit=1 cleanup come next; they need final folders
+        return super()._finalize_training(*args, **kwargs)
+
+    # saving ----------------------------------------------------------------------------------
+    def _save_checkpoint(self, model, trial) -> None:
+        step = self.state.global_step
+        if self.hp_search_backend is None and trial is None:
+            self.store_flos()
+        run_dir = self._get_output_dir(trial=trial)
+        output_dir = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{step}")
+        best_step = self.state.best_global_step
+        if best_step and self.args.save_strategy in ("steps", "epoch", "best"):
+            best_dir = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{best_step}")
+            if best_step == step or os.path.isdir(best_dir):  # this save, or one before it
+                self.state.best_model_checkpoint = best_dir
+        if self.args.should_save:
+            _record_stateful_callbacks(self)
+        trainer_state = json.dumps(dataclasses.asdict(self.state), indent=2, sort_keys=True) + "\n"
+        self._open_checkpointer().schedule_save(self._checkpoint_state(trainer_state), step, checkpoint_dir=output_dir)
+        if self.args.should_save:  # before the commit can happen: a committed folder always has them
+            storage = storage_for(output_dir)
+            storage.write_atomic(os.path.join(output_dir, TRAINER_STATE_FILE), trainer_state.encode())
+            config = getattr(self.model, "config", None)
+            if hasattr(config, "to_json_string"):
+                storage.write_atomic(os.path.join(output_dir, "config.json"), config.to_json_string().encode())
+
+    def _checkpoint_state(self, trainer_state: str) -> dict[str, Any]:
+        state: dict[str, Any] = {"model": self.model.state_dict(), "trainer_state": trainer_state}
+        if self.args.save_only_model:
+            return state
+        state["optimizer"] = get_optimizer_state_dict(self.model, _torch_optimizer(self.optimizer))
+        if self.lr_scheduler is not None:
+            state["scheduler"] = self.lr_scheduler.state_dict()
+        scaler = getattr(self.accelerator, "scaler", None)
+        if scaler is not None:
+            state["scaler"] = scaler.state_dict()
+        state[_rng_key(self.args)] = rng_state()
+        return state
+
+    # resuming --------------------------------------------------------------------------------
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None) -> None:
+        if not _is_committed(resume_from_checkpoint):
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        self._load_model(resume_from_checkpoint, model if model is not None else self.model)
+
+    def _load_best_model(self) -> None:
+        best = self.state.best_model_checkpoint
+        self._commit(blocking=True)  # the best checkpoint may still be in flight
+        if not _is_committed(best):
+            return super()._load_best_model()
+        log.info("loading the best model from %s (score: %s)", best, self.state.best_metric)
+        self._load_model(best, self.model)
+
+    def _load_optimizer_and_scheduler(self, checkpoint) -> None:
+        if checkpoint is None or not _is_committed(checkpoint):
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        saved = _saved_groups(checkpoint)
+        optimizer = _torch_optimizer(self.optimizer)
+        state: dict[str, Any] = {}
+        if "optimizer" in saved:
+            state["optimizer"] = get_optimizer_state_dict(self.model, optimizer)
+        if "scheduler" in saved and self.lr_scheduler is not None:
+            state["scheduler"] = self.lr_scheduler.state_dict()
+        if not state:
+            return  # saved with save_only_model: Trainer's own resume does the same
+        load(state, checkpoint)
+        if "optimizer" in state:
+            set_optimizer_state_dict(self.model, optimizer, state["optimizer"])
+        if "scheduler" in state:
+            self.lr_scheduler.load_state_dict(state["scheduler"])
+
+    def _load_scaler(self, checkpoint) -> None:
+        if checkpoint is None or not _is_committed(checkpoint):
+            return super()._load_scaler(checkpoint)
+        scaler = getattr(self.accelerator, "scaler", None)
+        if scaler is not None and "scaler" in _saved_groups(checkpoint):
+            state = {"scaler": scaler.state_dict()}
+            load(state, checkpoint)
+            scaler.load_state_dict(state["scaler"])
+
+    def _load_rng_state(self, checkpoint) -> None:
+        if checkpoint is None or not _is_committed(checkpoint):
+            return super()._load_rng_state(checkpoint)
+        key = _rng_key(self.args)
+        if key not in _saved_groups(checkpoint):
+            log.info("%s holds no RNG state for %s: the resumed run's randomness will differ", checkpoint, key)
+            return
+        state = {key: rng_state()}
+        if "cuda" not in _saved_keys(checkpoint, key):
+            state[key].pop("cuda", None)
+        load(state, checkpoint)
+        set_rng_state(state[key])
+
+    def _load_model(self, checkpoint: str, model) -> None:
+        template = {"model": model.state_dict()}
+        load(template, checkpoint)
+        model.load_state_dict(template["model"])  # the tensors were read in place; this checks the keys
+
+    # the checkpointer ------------------------------------------------------------------------
+    def _open_checkpointer(self) -> AsyncCheckpointer:
+        if self._checkpointer is not None and self._opened_with is not self.checkpoint_config:
+            self._close_checkpointer()  # checkpoint_config was set on the instance after construction
+        if self._checkpointer is None:
+            self._opened_with = self.checkpoint_config
+            config = self.checkpoint_config or CheckpointConfig()
+            if config.keep_last is not None:
+                raise ValueError("CheckpointConfig.keep_last does not apply to the Trainer: "
+                                 "use TrainingArguments.save_total_limit")
+            self._checkpointer = AsyncCheckpointer(config=config)
+        return self._checkpointer
+
+    def _commit(self, blocking: bool) -> None:
+        """Commit the save in flight if its writes are done (or, blocking, once they are); then
+        apply save_total_limit. A failed save raises CheckpointError here."""
+        if self._checkpointer is None:
+            return
+        for report in self._checkpointer.finalize(blocking=blocking):
+            if self.args.should_save:
+                self._rotate(os.path.dirname(report.path))
+
+    def _close_checkpointer(self, quietly: bool = False) -> None:
+        checkpointer, self._checkpointer = self._checkpointer, None
+        if checkpointer is None:
+            return
+        try:
+            for report in checkpointer.close():
+                if self.args.should_save:
+                    self._rotate(os.path.dirname(report.path))
+        except Exception:
+            if not quietly:
+                raise
+            log.exception("a checkpoint save failed while train() was ending with an error")
+
+    def _rotate(self, run_dir: str) -> None:
+        """Keep the save_total_limit newest complete checkpoints (and the best one); remove older
+        ones and folders that interrupted saves left behind the newest complete one."""
+        limit = self.args.save_total_limit
+        if limit is None or limit <= 0:
+            return
+        in_flight = self._checkpointer.in_flight_dir if self._checkpointer is not None else None
+        found = _checkpoint_folders(run_dir)
+        complete = [(step, path) for step, path in found if _is_complete(path)]
+        if not complete:
+            return
+        keep = {path for _, path in complete[-limit:]}
+        best = self.state.best_model_checkpoint
+        protected = {os.path.normpath(p) for p in (in_flight, best) if p}
+        newest_step = complete[-1][0]
+        for step, path in found:
+            if path in keep or os.path.normpath(path) in protected:
+                continue
+            if _is_complete(path) or step < newest_step:
+                log.info("deleting %s (save_total_limit=%d)", path, limit)
+                _remove_folder(path)
+
+
+class AsyncCheckpointTrainer(AsyncCheckpointMixin, transformers.Trainer):
+    """`transformers.Trainer` whose checkpoints are written in the background by asyncckpt."""
+
+
+class _CommitPoller(TrainerCallback):
+    """Commits finished saves at the end of every optimizer step (a cheap check while one is in
+    flight), so save_total_limit and `.metadata` follow the writes closely."""
+
+    def __init__(self, trainer: AsyncCheckpointMixin) -> None:
+        self._trainer = trainer
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self._trainer._commit(blocking=False)
+
+
+# RNG states as tensors: they load with weights_only and reshard like everything else ----------
+def rng_state() -> dict[str, torch.Tensor]:
+    """Python's, NumPy's, torch's CPU (and each CUDA device's) generator states."""
+    version, keys, gauss = random.getstate()
+    np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
+    if np_name != "MT19937":
+        raise CheckpointError(f"NumPy's global generator is {np_name}; only MT19937 can be saved")
+    state = {
+        "python": torch.tensor([version, *keys], dtype=torch.int64),
+        "python_gauss": torch.tensor([gauss is not None, gauss or 0.0], dtype=torch.float64),
+        "numpy": torch.tensor([np_pos, np_has_gauss, *np_keys.tolist()], dtype=torch.int64),
+        "numpy_gauss": torch.tensor([np_gauss], dtype=torch.float64),
+        "cpu": torch.random.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.stack(torch.cuda.get_rng_state_all())
+    return state
+
+
+def set_rng_state(state: dict[str, torch.Tensor]) -> None:
+    python = state["python"].tolist()
+    has_gauss, gauss = state["python_gauss"].tolist()
+    random.setstate((python[0], tuple(python[1:]), gauss if has_gauss else None))
+    numpy = state["numpy"].tolist()
+    np.random.set_state(("MT19937", np.array(numpy[2:], dtype=np.uint32), numpy[0], numpy[1],
+                         float(state["numpy_gauss"][0])))
+    torch.random.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        saved = list(state["cuda"])
+        if len(saved) != torch.cuda.device_count():
+            log.warning("the checkpoint holds %d CUDA generator states for %d devices now: CUDA "
+                        "randomness will differ from the saved run", len(saved), torch.cuda.device_count())
+        for device, device_state in enumerate(saved[: torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(device_state, device)
+
+
+def _rng_key(args) -> str:
+    return "rng" if args.world_size <= 1 else f"rng_{args.process_index}"
+
+
+# checkpoint folders ---------------------------------------------------------------------------
+def _is_committed(path: Optional[str]) -> bool:
+    """An asyncckpt (or any DCP) checkpoint whose commit happened."""
+    return bool(path) and os.path.isfile(os.path.join(path, METADATA_FILE))
+
+
+def _is_complete(path: str) -> bool:
+    """Committed, or a stock Trainer checkpoint (its model weights are there)."""
+    return _is_committed(path) or any(os.path.isfile(os.path.join(path, name)) for name in STOCK_WEIGHT_FILES)
+
+
+def _checkpoint_folders(run_dir: str) -> list[tuple[int, str]]:
+    """(step, path) of every checkpoint-N folder in `run_dir`, oldest step first."""
+    try:
+        names = os.listdir(run_dir)
+    except FileNotFoundError:
+        return []
+    found = [(int(m.group(1)), os.path.join(run_dir, n)) for n in names if (m := _CHECKPOINT_NAME.match(n))]
+    return sorted((step, path) for step, path in found if os.path.isdir(path) and not os.path.islink(path))
+
+
+def _resume_target(output_dir: str, requested) -> Optional[str]:
+    """The folder to resume from: for True the newest complete checkpoint in output_dir; for a
+    folder an interrupted save left (e.g. what `get_last_checkpoint` returns after a crash), the
+    newest complete one at or before its step."""
+    if requested is None or requested is False:
+        return None
+    if requested is True:
+        complete = [path for _, path in _checkpoint_folders(output_dir) if _is_complete(path)]
+        if not complete:
+            raise ValueError(f"No valid checkpoint found in output directory ({output_dir})")
+        return complete[-1]
+    path = os.fspath(requested)
+    if not os.path.isdir(path) or _is_complete(path):
+        return path  # Trainer reports a missing folder in its own words
+    match = _CHECKPOINT_NAME.match(os.path.basename(os.path.normpath(path)))
+    parent = os.path.dirname(os.path.normpath(path))
+    earlier = [p for step, p in _checkpoint_folders(parent)
+               if _is_complete(p) and match is not None and step <= int(match.group(1))]
+    if not earlier:
+        raise CheckpointError(f"{path!r} is a save that never committed (no {METADATA_FILE}: the run stopped "
+                              "while writing it), and no committed checkpoint precedes it")
+    log.warning("%s is a save that never committed (the run stopped while writing it); resuming from %s, "
+                "the newest committed checkpoint before it", path, earlier[-1])
+    return earlier[-1]
+
+
+def _restore_trainer_state_file(checkpoint: str) -> None:
+    """Trainer reads trainer_state.json; the committed checkpoint's own copy is the truth (an
+    interrupted re-save of this step may have replaced the file)."""
+    if "trainer_state" not in _saved_groups(checkpoint):
+        return
+    state = {"trainer_state": ""}
+    load(state, checkpoint)
+    path = os.path.join(checkpoint, TRAINER_STATE_FILE)
+    try:
+        with open(path, encoding="utf-8") as f:
+            if f.read() == state["trainer_state"]:
+                return
+    except FileNotFoundError:
+        pass
+    storage_for(checkpoint).write_atomic(path, state["trainer_state"].encode())
+
+
+def _saved_keys(checkpoint: str, group: str) -> set[str]:
+    """The keys under `group.` in a checkpoint's `.metadata` (first level)."""
+    prefix = f"{group}."
+    return {k[len(prefix):].split(".", 1)[0] for k in read_metadata(checkpoint).state_dict_metadata if k.startswith(prefix)}
+
+
+def _saved_groups(checkpoint: str) -> set[str]:
+    return {k.split(".", 1)[0] for k in read_metadata(checkpoint).state_dict_metadata}
+
+
+def _remove_folder(path: str) -> None:
+    """Un-commit first: a crash mid-delete leaves a torn folder, never a broken checkpoint."""
+    storage = storage_for(path)
+    if storage.exists(os.path.join(path, METADATA_FILE)):
+        storage.remove_file(os.path.join(path, METADATA_FILE))
+    storage.remove_tree(path)
+
+
+def _torch_optimizer(optimizer) -> torch.optim.Optimizer:
+    return getattr(optimizer, "optimizer", optimizer)  # Accelerate's AcceleratedOptimizer wraps it
+
+
+def _record_stateful_callbacks(trainer) -> None:
+    """Trainer's own step before writing trainer state: callbacks' and TrainerControl's state."""
+    from transformers.trainer_callback import ExportableState
+
+    for callback in trainer.callback_handler.callbacks + [trainer.control]:
+        if not isinstance(callback, ExportableState):
+            continue
+        name = type(callback).__name__
+        if isinstance(trainer.state.stateful_callbacks.get(name), list):
+            trainer.state.stateful_callbacks[name].append(callback.state())
+        else:
+            trainer.state.stateful_callbacks[name] = callback.state()
+
+
+def _refuse_unsupported(trainer) -> None:
+    """Set-ups whose checkpoints this integration does not write: a clear error at construction."""
+    why = None
+    if getattr(trainer, "is_deepspeed_enabled", False):
+        why = "DeepSpeed saves its own engine state"
+    elif getattr(trainer, "is_fsdp_enabled", False) or getattr(trainer, "is_fsdp_xla_enabled", False):
+        why = "FSDP checkpoints are not supported yet"
+    elif trainer.args.world_size > 1:
+        why = "several processes are not supported yet"
+    if why is not None:
+        raise ValueError(f"{type(trainer).__name__}: {why}; use transformers.Trainer for this run")
+    if trainer.args.push_to_hub:
+        log.warning("%s: checkpoint folders are DCP checkpoints, not save_pretrained files, so they are not "
+                    "pushed during training; trainer.push_to_hub() after train() pushes the model (or export "
+                    "a checkpoint with `python -m asyncckpt export CKPT OUT --hf`)", type(trainer).__name__)

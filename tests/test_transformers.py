@@ -1,0 +1,188 @@
+"""asyncckpt.transformers: a real `transformers.Trainer` on CPU (a 2-layer GPT-2 built from a
+config) saving every 5 steps in the background, killed and resumed, rotated, stopped early."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+transformers = pytest.importorskip("transformers")  # the test extra installs it
+pytest.importorskip("accelerate")
+
+import hf_trainer  # noqa: E402  (tests/ is on sys.path)
+from asyncckpt import CheckpointConfig  # noqa: E402
+from asyncckpt.transformers import AsyncCheckpointMixin, AsyncCheckpointTrainer  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+METADATA = ".metadata"
+
+
+def checkpoint_dirs(out: str) -> list[str]:
+    return sorted((d for d in os.listdir(out) if d.startswith("checkpoint-")), key=lambda d: int(d.split("-")[1]))
+
+
+def final_state(trainer) -> dict[str, torch.Tensor]:
+    """Model weights and every optimizer moment, by name."""
+    state = {f"model.{k}": v.clone() for k, v in trainer.model.state_dict().items()}
+    optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+    names = {id(p): n for n, p in trainer.model.named_parameters()}
+    for param, moments in optimizer.state.items():
+        for key, value in moments.items():
+            state[f"optim.{names[id(param)]}.{key}"] = torch.as_tensor(value).clone()
+    return state
+
+
+def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    different = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not different, f"{len(different)} tensors differ, e.g. {different[:3]}"
+
+
+def run_killed(out: str, kill_at_save: int) -> None:
+    """Train in a child process that SIGKILLs itself right after scheduling the save at that step."""
+    done = subprocess.run([sys.executable, os.path.join(HERE, "hf_trainer.py"), out, "--kill-at-save", str(kill_at_save)],
+                          capture_output=True, text=True, timeout=240, cwd=HERE)
+    assert done.returncode == -9, done.stderr[-2000:]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The reference: 20 steps without interruption, saving every 5 steps."""
+    out = str(tmp_path_factory.mktemp("reference"))
+    trainer = hf_trainer.make_trainer(out)
+    trainer.train()
+    return out, final_state(trainer), trainer.state.log_history
+
+
+def test_saves_every_5_steps_are_committed_stock_dcp_checkpoints(uninterrupted):
+    out, final, _ = uninterrupted
+    assert checkpoint_dirs(out) == [f"checkpoint-{s}" for s in (5, 10, 15, 20)]
+    last = os.path.join(out, "checkpoint-20")
+    names = set(os.listdir(last))
+    assert {METADATA, "trainer_state.json", "config.json"} <= names
+    assert json.load(open(os.path.join(last, "trainer_state.json")))["global_step"] == 20
+    model = hf_trainer.tiny_gpt2()
+    template = {"model": model.state_dict()}
+    dcp.load(template, checkpoint_id=last, no_dist=True)  # stock DCP reads it
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, final[f"model.{key}"]), key
+    # every parameter once, in its own dtype (GPT-2's tied lm_head may appear under both names)
+    saved = dcp.FileSystemReader(last).read_metadata().state_dict_metadata
+    assert {k[len("model."):] for k in saved if k.startswith("model.")} == set(model.state_dict())
+
+
+def test_a_run_killed_mid_save_resumes_from_the_newest_committed_checkpoint_and_ends_bitwise_equal(tmp_path, uninterrupted, caplog):
+    """Killed right after scheduling the save of step 10: checkpoint-10 never committed. The
+    usual idiom hands Trainer `get_last_checkpoint(out)`, which names that torn folder: the run
+    resumes from checkpoint-5 instead, re-saves checkpoint-10 over the torn one, and ends with
+    the same weights and optimizer moments as the uninterrupted run."""
+    out = str(tmp_path / "run")
+    run_killed(out, kill_at_save=10)
+    assert METADATA not in os.listdir(os.path.join(out, "checkpoint-10"))
+    assert METADATA in os.listdir(os.path.join(out, "checkpoint-5"))
+
+    seen = []
+
+    class ResumedAt(transformers.TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            seen.append(state.global_step)
+
+    trainer = hf_trainer.make_trainer(out, callbacks=[ResumedAt()])
+    with caplog.at_level("WARNING", logger="asyncckpt"):
+        trainer.train(resume_from_checkpoint=transformers.trainer_utils.get_last_checkpoint(out))
+    assert "checkpoint-10 is a save that never committed" in caplog.text
+    assert seen == [5]
+    assert_same(final_state(trainer), uninterrupted[1])
+    assert all(METADATA in os.listdir(os.path.join(out, d)) for d in checkpoint_dirs(out))
+    ref_losses = [e["loss"] for e in uninterrupted[2] if "loss" in e and e["step"] > 5]
+    assert [e["loss"] for e in trainer.state.log_history if "loss" in e and e["step"] > 5] == ref_losses
+
+
+def test_rotation_keeps_save_total_limit_committed_folders_and_removes_a_torn_one(tmp_path):
+    """A torn checkpoint-10 from a killed run; the resumed run (resume_from_checkpoint=True) with
+    save_total_limit=2 ends with exactly the two newest committed checkpoints."""
+    out = str(tmp_path / "run")
+    run_killed(out, kill_at_save=10)
+    os.makedirs(os.path.join(out, "checkpoint-7"))  # an older torn folder, e.g. from another crash
+    trainer = hf_trainer.make_trainer(out, save_total_limit=2)
+    kept_while_training = []
+
+    class Watch(transformers.TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            dirs = checkpoint_dirs(out)
+            committed = [d for d in dirs if METADATA in os.listdir(os.path.join(out, d))]
+            kept_while_training.append(len(committed))
+
+    trainer.add_callback(Watch())
+    trainer.train(resume_from_checkpoint=True)
+    assert checkpoint_dirs(out) == ["checkpoint-15", "checkpoint-20"]
+    assert max(kept_while_training) <= 2
+
+
+def test_training_stopped_early_commits_the_save_in_flight_before_train_returns(tmp_path):
+    class StopAfterSave(transformers.TrainerCallback):
+        def on_save(self, args, state, control, **kwargs):
+            if state.global_step == 10:
+                control.should_training_stop = True
+
+    out = str(tmp_path / "run")
+    trainer = hf_trainer.make_trainer(out, callbacks=[StopAfterSave()])
+    trainer.train()
+    assert trainer.state.global_step == 10
+    assert checkpoint_dirs(out) == ["checkpoint-5", "checkpoint-10"]
+    assert all(METADATA in os.listdir(os.path.join(out, d)) for d in checkpoint_dirs(out))
+    assert trainer._checkpointer is None  # the worker is gone with train()
+
+
+def test_the_mixin_on_a_trainer_subclass_and_save_strategy_best_with_the_best_model_loaded_at_end(tmp_path):
+    """A Trainer subclass with its own compute_loss gets async saves from the mixin; with
+    save_strategy="best" only improving evaluations save, and load_best_model_at_end loads the
+    best committed checkpoint's weights (even when the best save is the one still in flight)."""
+    calls = []
+
+    class CountingTrainer(transformers.Trainer):
+        def compute_loss(self, model, inputs, *args, **kwargs):
+            calls.append(1)
+            return super().compute_loss(model, inputs, *args, **kwargs)
+
+    class AsyncCountingTrainer(AsyncCheckpointMixin, CountingTrainer):
+        pass
+
+    out = str(tmp_path / "run")
+    trainer = hf_trainer.make_trainer(
+        out, trainer_class=AsyncCountingTrainer, eval_strategy="steps", eval_steps=5, save_strategy="best",
+        metric_for_best_model="loss", greater_is_better=False, load_best_model_at_end=True,
+        eval_dataset=hf_trainer.TokenData(),
+    )
+    trainer.train()
+    assert calls
+    best = trainer.state.best_model_checkpoint
+    assert best is not None and METADATA in os.listdir(best)
+    saved = {"model": hf_trainer.tiny_gpt2().state_dict()}
+    dcp.load(saved, checkpoint_id=best, no_dist=True)
+    for key, value in trainer.model.state_dict().items():
+        assert torch.equal(value, saved["model"][key]), key
+
+
+def test_a_configuration_it_cannot_honour_fails_at_construction(tmp_path):
+    class KeepLast(AsyncCheckpointTrainer):
+        checkpoint_config = CheckpointConfig(keep_last=2)
+
+    with pytest.raises(ValueError, match="save_total_limit"):
+        hf_trainer.make_trainer(str(tmp_path), trainer_class=KeepLast)
+    assert not os.listdir(tmp_path)
+
+
+def test_resume_from_a_folder_no_save_committed_names_the_problem(tmp_path):
+    out = tmp_path / "run"
+    (out / "checkpoint-5").mkdir(parents=True)
+    trainer = hf_trainer.make_trainer(str(out))
+    with pytest.raises(Exception, match="never committed"):
+        trainer.train(resume_from_checkpoint=str(out / "checkpoint-5"))
+    assert isinstance(trainer, AsyncCheckpointTrainer)
