@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv install test example example-ddp example-lightning bench bench-load bench-doors bench-lightning bench-incremental lint clean
+.PHONY: venv install test example example-ddp example-lightning bench bench-load bench-doors bench-lightning bench-incremental bench-transformers lint clean
 
 venv: $(STAMP)
 
@@ -51,6 +51,9 @@ bench-doors: venv
 
 bench-incremental: venv
 	$(PY) benchmarks/bench_incremental.py --size-mib 1024 --out bench_out/bench_incremental.json
+
+bench-transformers: venv
+	$(PY) benchmarks/bench_transformers.py --out bench_out/bench_transformers.json
 
 bench-lightning: venv
 	$(PY) benchmarks/bench_lightning.py --out bench_out/bench_lightning.json

@@ -25,11 +25,9 @@ import dataclasses
 import json
 import logging
 import os
-import random
 import re
 from typing import Any, Optional
 
-import numpy as np
 import torch
 
 try:
@@ -45,6 +43,7 @@ from .checkpointer import AsyncCheckpointer
 from .config import CheckpointConfig
 from .errors import CheckpointError
 from .loading import METADATA_FILE, load
+from .rng import rng_state, set_rng_state
 from .safe_reader import read_metadata
 from .storage import storage_for
 
@@ -89,9 +88,13 @@ class AsyncCheckpointMixin:
         self._close_checkpointer()
         return output
 
-    def _finalize_training(self, *args, **kwargs):  # Transformers >= 5: best-model loading and
+    def _finalize_training(self, *args, **kwargs):  # recent Transformers: best-model loading and
         self._commit(blocking=True)  # save_total_limit=1 cleanup come next; they need final folders
         return super()._finalize_training(*args, **kwargs)
+
+    def _sorted_checkpoints(self, *args, **kwargs):  # older Transformers: lists the folders that the
+        self._commit(blocking=True)  # save_total_limit=1 cleanup at the end of training deletes
+        return super()._sorted_checkpoints(*args, **kwargs)
 
     # saving ----------------------------------------------------------------------------------
     def _save_checkpoint(self, model, trial) -> None:
@@ -100,7 +103,7 @@ class AsyncCheckpointMixin:
             self.store_flos()
         run_dir = self._get_output_dir(trial=trial)
         output_dir = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{step}")
-        best_step = self.state.best_global_step
+        best_step = getattr(self.state, "best_global_step", None)  # older Transformers set best_model_checkpoint themselves
         if best_step and self.args.save_strategy in ("steps", "epoch", "best"):
             best_dir = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{best_step}")
             if best_step == step or os.path.isdir(best_dir):  # this save, or one before it
@@ -109,12 +112,12 @@ class AsyncCheckpointMixin:
             _record_stateful_callbacks(self)
         trainer_state = json.dumps(dataclasses.asdict(self.state), indent=2, sort_keys=True) + "\n"
         self._open_checkpointer().schedule_save(self._checkpoint_state(trainer_state), step, checkpoint_dir=output_dir)
-        if self.args.should_save:  # before the commit can happen: a committed folder always has them
-            storage = storage_for(output_dir)
-            storage.write_atomic(os.path.join(output_dir, TRAINER_STATE_FILE), trainer_state.encode())
+        if self.args.should_save:  # before the commit can happen: a committed folder has them. Not
+            storage = storage_for(output_dir)  # fsynced: a resume rewrites the first from the checkpoint's own copy
+            storage.write_atomic(os.path.join(output_dir, TRAINER_STATE_FILE), trainer_state.encode(), fsync=False)
             config = getattr(self.model, "config", None)
             if hasattr(config, "to_json_string"):
-                storage.write_atomic(os.path.join(output_dir, "config.json"), config.to_json_string().encode())
+                storage.write_atomic(os.path.join(output_dir, "config.json"), config.to_json_string().encode(), fsync=False)
 
     def _checkpoint_state(self, trainer_state: str) -> dict[str, Any]:
         state: dict[str, Any] = {"model": self.model.state_dict(), "trainer_state": trainer_state}
@@ -259,42 +262,6 @@ class _CommitPoller(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         self._trainer._commit(blocking=False)
-
-
-# RNG states as tensors: they load with weights_only and reshard like everything else ----------
-def rng_state() -> dict[str, torch.Tensor]:
-    """Python's, NumPy's, torch's CPU (and each CUDA device's) generator states."""
-    version, keys, gauss = random.getstate()
-    np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
-    if np_name != "MT19937":
-        raise CheckpointError(f"NumPy's global generator is {np_name}; only MT19937 can be saved")
-    state = {
-        "python": torch.tensor([version, *keys], dtype=torch.int64),
-        "python_gauss": torch.tensor([gauss is not None, gauss or 0.0], dtype=torch.float64),
-        "numpy": torch.tensor([np_pos, np_has_gauss, *np_keys.tolist()], dtype=torch.int64),
-        "numpy_gauss": torch.tensor([np_gauss], dtype=torch.float64),
-        "cpu": torch.random.get_rng_state(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.stack(torch.cuda.get_rng_state_all())
-    return state
-
-
-def set_rng_state(state: dict[str, torch.Tensor]) -> None:
-    python = state["python"].tolist()
-    has_gauss, gauss = state["python_gauss"].tolist()
-    random.setstate((python[0], tuple(python[1:]), gauss if has_gauss else None))
-    numpy = state["numpy"].tolist()
-    np.random.set_state(("MT19937", np.array(numpy[2:], dtype=np.uint32), numpy[0], numpy[1],
-                         float(state["numpy_gauss"][0])))
-    torch.random.set_rng_state(state["cpu"])
-    if "cuda" in state and torch.cuda.is_available():
-        saved = list(state["cuda"])
-        if len(saved) != torch.cuda.device_count():
-            log.warning("the checkpoint holds %d CUDA generator states for %d devices now: CUDA "
-                        "randomness will differ from the saved run", len(saved), torch.cuda.device_count())
-        for device, device_state in enumerate(saved[: torch.cuda.device_count()]):
-            torch.cuda.set_rng_state(device_state, device)
 
 
 def _rng_key(args) -> str:

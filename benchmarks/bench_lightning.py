@@ -106,7 +106,8 @@ def run_config(args, steps: int, every: int, root: str) -> dict:
         r["overhead"] = r["fit_s"] / baseline - 1
     step_s = baseline / steps
     print(f"\nstate {rows[0]['state_mb']:.0f} MB, {steps} steps ({step_s:.3f} s each), a checkpoint event every {every} "
-          f"steps ({every * step_s:.1f} s of training; 2 saves each: top-k + last); fit without checkpoints {baseline:.2f} s")
+          f"steps ({every * step_s:.1f} s of training; 2 saves each: top-k + last); fit without checkpoints {baseline:.2f} s; "
+          f"the fit on {torch.get_num_threads()} of {os.cpu_count()} cores")
     print(f"{'method':<16} {'fit s':>8} {'overhead':>9} {'saves':>6} {'blocked 1st event':>18} "
           f"{'blocked/save after':>19} {'max':>8}")
     for r in table:
@@ -125,10 +126,14 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=10, help="checkpoint every N steps")
     parser.add_argument("--long-steps", type=int, default=400, help="the representative fit's steps (0: skip it)")
     parser.add_argument("--long-every", type=int, default=100, help="the representative fit's checkpoint interval")
+    parser.add_argument("--threads", type=int, help="torch threads for the fits (default: torch's, every core); "
+                        "fewer leaves cores free, as on a GPU node whose CPU is mostly idle")
     parser.add_argument("--dir", help="where checkpoints go (default: a temporary directory)")
     parser.add_argument("--out", help="write the rows as JSON here")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
+    if args.threads:
+        torch.set_num_threads(args.threads)
     root = args.dir or tempfile.mkdtemp(prefix="bench_lightning_")
     configs = [(args.steps, args.every)] + ([(args.long_steps, args.long_every)] if args.long_steps else [])
     results = []

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -104,6 +105,23 @@ def test_a_run_killed_mid_save_resumes_from_the_newest_committed_checkpoint_and_
     assert [e["loss"] for e in trainer.state.log_history if "loss" in e and e["step"] > 5] == ref_losses
 
 
+def test_a_run_resumed_from_an_earlier_checkpoint_replaces_the_committed_later_ones_at_their_commit(tmp_path, uninterrupted):
+    """Resuming from checkpoint-10 of a finished run re-saves checkpoint-15 and -20 over the
+    committed ones: each stays loadable until its replacement commits, and the old files go."""
+    out = str(tmp_path / "run")
+    shutil.copytree(uninterrupted[0], out)
+    trainer = hf_trainer.make_trainer(out)
+    trainer.train(resume_from_checkpoint=os.path.join(out, "checkpoint-10"))
+    assert_same(final_state(trainer), uninterrupted[1])
+    last = os.path.join(out, "checkpoint-20")
+    used = {i.relative_path for i in dcp.FileSystemReader(last).read_metadata().storage_data.values()}
+    assert {n for n in os.listdir(last) if n.endswith(".distcp")} == used  # the replaced save's files are gone
+    model = {"model": hf_trainer.tiny_gpt2().state_dict()}
+    dcp.load(model, checkpoint_id=last, no_dist=True)
+    for key, value in model["model"].items():
+        assert torch.equal(value, uninterrupted[1][f"model.{key}"]), key
+
+
 def test_rotation_keeps_save_total_limit_committed_folders_and_removes_a_torn_one(tmp_path):
     """A torn checkpoint-10 from a killed run; the resumed run (resume_from_checkpoint=True) with
     save_total_limit=2 ends with exactly the two newest committed checkpoints."""
@@ -157,13 +175,14 @@ def test_the_mixin_on_a_trainer_subclass_and_save_strategy_best_with_the_best_mo
     out = str(tmp_path / "run")
     trainer = hf_trainer.make_trainer(
         out, trainer_class=AsyncCountingTrainer, eval_strategy="steps", eval_steps=5, save_strategy="best",
-        metric_for_best_model="loss", greater_is_better=False, load_best_model_at_end=True,
+        metric_for_best_model="loss", greater_is_better=False, load_best_model_at_end=True, save_total_limit=1,
         eval_dataset=hf_trainer.TokenData(),
     )
     trainer.train()
     assert calls
     best = trainer.state.best_model_checkpoint
     assert best is not None and METADATA in os.listdir(best)
+    assert checkpoint_dirs(out) == [os.path.basename(best)]  # save_total_limit=1 keeps the best one at the end
     saved = {"model": hf_trainer.tiny_gpt2().state_dict()}
     dcp.load(saved, checkpoint_id=best, no_dist=True)
     for key, value in trainer.model.state_dict().items():
