@@ -108,6 +108,8 @@ class AsyncCheckpointMixin:
             best_dir = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{best_step}")
             if best_step == step or os.path.isdir(best_dir):  # this save, or one before it
                 self.state.best_model_checkpoint = best_dir
+        elif self.args.save_strategy == "best":  # every save is a new best (older Transformers leave best_global_step unset)
+            self.state.best_model_checkpoint = output_dir
         if self.args.should_save:
             _record_stateful_callbacks(self)
         trainer_state = json.dumps(dataclasses.asdict(self.state), indent=2, sort_keys=True) + "\n"
