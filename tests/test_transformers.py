@@ -189,6 +189,31 @@ def test_the_mixin_on_a_trainer_subclass_and_save_strategy_best_with_the_best_mo
         assert torch.equal(value, saved["model"][key]), key
 
 
+def test_incremental_saves_of_a_partly_frozen_model_write_only_what_changed(tmp_path):
+    """checkpoint_config=CheckpointConfig(incremental=True) on a subclass: with all but the
+    last block frozen, the frozen weights are not written again, and each checkpoint is still
+    complete (stock DCP loads the final weights from the last)."""
+    reports = []
+
+    class Incremental(AsyncCheckpointTrainer):
+        checkpoint_config = CheckpointConfig(incremental=True, on_commit=reports.append)
+
+    out = str(tmp_path / "run")
+    trainer = hf_trainer.make_trainer(out, trainer_class=Incremental)
+    for name, param in trainer.model.named_parameters():
+        param.requires_grad_(name.startswith(("transformer.h.1.", "transformer.ln_f.")))
+    frozen = {p.data_ptr(): p.numel() * p.element_size() for p in trainer.model.parameters() if not p.requires_grad}
+    trainer.train()
+    assert [r.step for r in reports] == [5, 10, 15, 20]
+    assert reports[0].bytes_written == reports[0].bytes
+    # from the third save on (the second still rewrites files it split), no frozen byte is written again
+    assert all(r.bytes_written <= r.bytes - sum(frozen.values()) for r in reports[2:]), [(r.bytes_written, r.bytes) for r in reports]
+    saved = {"model": hf_trainer.tiny_gpt2().state_dict()}
+    dcp.load(saved, checkpoint_id=os.path.join(out, "checkpoint-20"), no_dist=True)
+    for key, value in trainer.model.state_dict().items():
+        assert torch.equal(value, saved["model"][key]), key
+
+
 def test_a_configuration_it_cannot_honour_fails_at_construction(tmp_path):
     class KeepLast(AsyncCheckpointTrainer):
         checkpoint_config = CheckpointConfig(keep_last=2)
