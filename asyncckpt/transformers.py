@@ -8,8 +8,9 @@ save commits when its `.metadata` lands (polled at every step's end, and before 
 
 `checkpoint-N` is a stock DCP checkpoint. Its items: `model.*` (the model's `state_dict()`),
 `optimizer.*` (torch.distributed.checkpoint.state_dict's form, keyed by parameter names),
-`scheduler.*`, `scaler.*`, `rng.*` (tensors; no pickled NumPy), and `trainer_state` (the JSON text
-of `TrainerState`). Beside them, `trainer_state.json` and `config.json` for the tools that read them.
+`scheduler.*`, `scaler.*`, `rng.*` (tensors, no pickled NumPy; `rng_{rank}.*` under DDP) and
+`trainer_state` (the JSON text of `TrainerState`). Beside them, `trainer_state.json` and
+`config.json` for the tools that read them.
 
 Resuming picks the newest *committed* `checkpoint-N` (a folder a killed run left without
 `.metadata` is never used); `trainer.train(resume_from_checkpoint=path)` also accepts a stock
@@ -78,7 +79,7 @@ class AsyncCheckpointMixin:
         the newest committed checkpoint; every save is committed before this returns."""
         resume = _resume_target(self.args.output_dir, resume_from_checkpoint)
         if resume is not None and _is_committed(resume):
-            _restore_trainer_state_file(resume)
+            _restore_trainer_state_file(resume, write=self.args.should_save)
         self._open_checkpointer()  # a train() after another one starts a fresh worker
         try:
             output = super().train(resume, *args, **kwargs)
@@ -317,13 +318,16 @@ def _resume_target(output_dir: str, requested) -> Optional[str]:
     return earlier[-1]
 
 
-def _restore_trainer_state_file(checkpoint: str) -> None:
+def _restore_trainer_state_file(checkpoint: str, write: bool) -> None:
     """Trainer reads trainer_state.json; the committed checkpoint's own copy is the truth (an
-    interrupted re-save of this step may have replaced the file)."""
+    interrupted re-save of this step may have replaced the file). Every rank reads (a collective
+    load); the rank that saves (`write`) rewrites the file if it differs."""
     if "trainer_state" not in _saved_groups(checkpoint):
         return
     state = {"trainer_state": ""}
     load(state, checkpoint)
+    if not write:
+        return
     path = os.path.join(checkpoint, TRAINER_STATE_FILE)
     try:
         with open(path, encoding="utf-8") as f:
@@ -377,8 +381,6 @@ def _refuse_unsupported(trainer) -> None:
         why = "DeepSpeed saves its own engine state"
     elif getattr(trainer, "is_fsdp_enabled", False) or getattr(trainer, "is_fsdp_xla_enabled", False):
         why = "FSDP checkpoints are not supported yet"
-    elif trainer.args.world_size > 1:
-        why = "several processes are not supported yet"
     if why is not None:
         raise ValueError(f"{type(trainer).__name__}: {why}; use transformers.Trainer for this run")
     if trainer.args.push_to_hub:

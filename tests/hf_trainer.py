@@ -1,6 +1,7 @@
 """A tiny Transformers training run for the Trainer tests: a 2-layer GPT-2 built from a config (no
 downloads) on a fixed synthetic dataset. Run as a script, it trains in this process and can
-SIGKILL itself at a chosen step: `python hf_trainer.py OUT_DIR --kill-at-save 10 [--resume]`."""
+SIGKILL itself at a chosen step: `python hf_trainer.py OUT_DIR --kill-at-save 10`; under
+`torchrun --nproc-per-node 2 hf_trainer.py OUT_DIR --ddp` it trains with DDP (gloo, CPU)."""
 
 from __future__ import annotations
 
@@ -68,9 +69,19 @@ def main() -> None:
     parser.add_argument("out_dir")
     parser.add_argument("--kill-at-save", type=int)
     parser.add_argument("--save-total-limit", type=int)
+    parser.add_argument("--ddp", action="store_true", help="under torchrun: gloo, 2 sequences per rank and step")
+    parser.add_argument("--resume", help="resume_from_checkpoint")
+    parser.add_argument("--final", help="torch.save the final model and optimizer state here (rank 0)")
     args = parser.parse_args()
     callbacks = [KillAtSave(args.kill_at_save)] if args.kill_at_save else None
-    make_trainer(args.out_dir, callbacks=callbacks, save_total_limit=args.save_total_limit).train()
+    overrides = dict(ddp_backend="gloo", per_device_train_batch_size=2) if args.ddp else {}
+    trainer = make_trainer(args.out_dir, callbacks=callbacks, save_total_limit=args.save_total_limit, **overrides)
+    if args.ddp:  # each rank's dropout draws differ, as with per-rank seeds: a resume must restore each rank's own
+        torch.manual_seed(100 + trainer.args.process_index)
+    trainer.train(resume_from_checkpoint=args.resume)
+    if args.final and trainer.args.process_index == 0:
+        optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+        torch.save({"model": trainer.model.state_dict(), "optimizer": optimizer.state_dict()}, args.final)
 
 
 if __name__ == "__main__":

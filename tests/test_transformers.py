@@ -214,6 +214,31 @@ def test_incremental_saves_of_a_partly_frozen_model_write_only_what_changed(tmp_
         assert torch.equal(value, saved["model"][key]), key
 
 
+def torchrun_training(out: str, *extra: str) -> None:
+    """2-rank DDP (gloo, CPU) with the same global batch as the 1-process runs."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+               "--rdzv-endpoint", "localhost:0", os.path.join(HERE, "hf_trainer.py"), out, "--ddp", *extra]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=HERE)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_under_2_rank_ddp_each_rank_keeps_its_rng_and_a_resumed_run_ends_equal(tmp_path):
+    """torchrun, 2 ranks: checkpoints hold one RNG state per rank (model and optimizer once), and
+    a run resumed from checkpoint-10 ends with the uninterrupted run's weights and moments."""
+    out = str(tmp_path / "run")
+    torchrun_training(out, "--final", str(tmp_path / "full.pt"))
+    last = os.path.join(out, "checkpoint-20")
+    saved = dcp.FileSystemReader(last).read_metadata().state_dict_metadata
+    assert {k.split(".")[0] for k in saved} == {"model", "optimizer", "scheduler", "rng_0", "rng_1", "trainer_state"}
+    resumed = str(tmp_path / "resumed")
+    shutil.copytree(out, resumed)
+    torchrun_training(resumed, "--resume", os.path.join(resumed, "checkpoint-10"), "--final", str(tmp_path / "resumed.pt"))
+    full, again = torch.load(tmp_path / "full.pt"), torch.load(tmp_path / "resumed.pt")
+    assert_same(full["model"], again["model"])
+    for param, moments in full["optimizer"]["state"].items():
+        assert_same(moments, again["optimizer"]["state"][param])
+
+
 def test_a_configuration_it_cannot_honour_fails_at_construction(tmp_path):
     class KeepLast(AsyncCheckpointTrainer):
         checkpoint_config = CheckpointConfig(keep_last=2)
