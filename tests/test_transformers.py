@@ -122,6 +122,22 @@ def test_a_run_resumed_from_an_earlier_checkpoint_replaces_the_committed_later_o
         assert torch.equal(value, uninterrupted[1][f"model.{key}"]), key
 
 
+def test_a_run_started_with_the_stock_trainer_continues_from_its_checkpoint(tmp_path, uninterrupted):
+    """Switching mid-run: resume_from_checkpoint=True picks the stock Trainer's newest folder,
+    Trainer's own loaders read it, and the run ends as the uninterrupted one."""
+    class StopAt10(transformers.TrainerCallback):
+        def on_save(self, args, state, control, **kwargs):
+            control.should_training_stop = state.global_step == 10
+
+    out = str(tmp_path / "run")
+    hf_trainer.make_trainer(out, trainer_class=transformers.Trainer, callbacks=[StopAt10()]).train()
+    assert checkpoint_dirs(out) == ["checkpoint-5", "checkpoint-10"]
+    trainer = hf_trainer.make_trainer(out)
+    trainer.train(resume_from_checkpoint=True)
+    assert_same(final_state(trainer), uninterrupted[1])
+    assert METADATA in os.listdir(os.path.join(out, "checkpoint-20"))
+
+
 def test_rotation_keeps_save_total_limit_committed_folders_and_removes_a_torn_one(tmp_path):
     """A torn checkpoint-10 from a killed run; the resumed run (resume_from_checkpoint=True) with
     save_total_limit=2 ends with exactly the two newest committed checkpoints."""
