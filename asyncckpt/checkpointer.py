@@ -210,6 +210,11 @@ class AsyncCheckpointer:
         log.info("resumed from %s (step %d)", info.path, info.step)
         return info.step
 
+    def resumed_from(self, path: str) -> None:
+        """Incremental: the next save reuses what it can of committed checkpoint `path`, which
+        the caller loaded itself (load_latest does this on its own)."""
+        self._incremental.resumed(path)
+
     @property
     def worker_ready(self) -> bool:  # the worker has started up: a save waits for no start-up
         return self._client is not None and self._client.poll_ready()

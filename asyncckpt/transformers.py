@@ -38,7 +38,7 @@ try:
 except ImportError as exc:  # asyncckpt itself does not depend on Transformers
     raise ImportError("asyncckpt.transformers needs Transformers: pip install 'asyncckpt[hf]'") from exc
 
-from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
 
 from .checkpointer import AsyncCheckpointer
 from .config import CheckpointConfig
@@ -123,10 +123,16 @@ class AsyncCheckpointMixin:
                 storage.write_atomic(os.path.join(output_dir, "config.json"), config.to_json_string().encode(), fsync=False)
 
     def _checkpoint_state(self, trainer_state: str) -> dict[str, Any]:
-        state: dict[str, Any] = {"model": self.model.state_dict(), "trainer_state": trainer_state}
+        state: dict[str, Any] = {"model": self.model.state_dict()}
+        if self.args.process_index == 0:  # its copy alone: other ranks' TrainerState differs (callbacks, rank flags)
+            state["trainer_state"] = trainer_state
         if self.args.save_only_model:
             return state
-        state["optimizer"] = get_optimizer_state_dict(self.model, _torch_optimizer(self.optimizer))
+        try:
+            state["optimizer"] = get_optimizer_state_dict(self.model, _torch_optimizer(self.optimizer))
+        except (KeyError, ValueError, RuntimeError) as exc:  # e.g. a parameter that is not the model's
+            raise CheckpointError(f"cannot save the optimizer by parameter name ({type(exc).__name__}: {exc}): every "
+                                  "parameter it holds must be one of the model's") from exc
         if self.lr_scheduler is not None:
             state["scheduler"] = self.lr_scheduler.state_dict()
         scaler = getattr(self.accelerator, "scaler", None)
@@ -140,6 +146,7 @@ class AsyncCheckpointMixin:
         if not _is_committed(resume_from_checkpoint):
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
         self._load_model(resume_from_checkpoint, model if model is not None else self.model)
+        self._open_checkpointer().resumed_from(resume_from_checkpoint)  # incremental saves continue from it
 
     def _load_best_model(self) -> None:
         best = self.state.best_model_checkpoint
@@ -156,14 +163,15 @@ class AsyncCheckpointMixin:
         optimizer = _torch_optimizer(self.optimizer)
         state: dict[str, Any] = {}
         if "optimizer" in saved:
-            state["optimizer"] = get_optimizer_state_dict(self.model, optimizer)
+            state["optimizer"] = _saved_entries_only(get_optimizer_state_dict(self.model, optimizer), checkpoint)
         if "scheduler" in saved and self.lr_scheduler is not None:
             state["scheduler"] = self.lr_scheduler.state_dict()
         if not state:
             return  # saved with save_only_model: Trainer's own resume does the same
         load(state, checkpoint)
         if "optimizer" in state:
-            set_optimizer_state_dict(self.model, optimizer, state["optimizer"])
+            set_optimizer_state_dict(self.model, optimizer, state["optimizer"],  # parameters saved stateless stay so
+                                     options=StateDictOptions(strict=False))
         if "scheduler" in state:
             self.lr_scheduler.load_state_dict(state["scheduler"])
 
@@ -180,14 +188,16 @@ class AsyncCheckpointMixin:
         if checkpoint is None or not _is_committed(checkpoint):
             return super()._load_rng_state(checkpoint)
         key = _rng_key(self.args)
-        if key not in _saved_groups(checkpoint):
+        state: dict[str, Any] = {}
+        if key in _saved_groups(checkpoint):
+            state[key] = rng_state()
+            if "cuda" not in _saved_keys(checkpoint, key):
+                state[key].pop("cuda", None)
+        else:  # e.g. resumed on more ranks than saved; this rank still joins the (collective) load
             log.info("%s holds no RNG state for %s: the resumed run's randomness will differ", checkpoint, key)
-            return
-        state = {key: rng_state()}
-        if "cuda" not in _saved_keys(checkpoint, key):
-            state[key].pop("cuda", None)
         load(state, checkpoint)
-        set_rng_state(state[key])
+        if state:
+            set_rng_state(state[key])
 
     def _load_model(self, checkpoint: str, model) -> None:
         template = {"model": model.state_dict()}
@@ -204,6 +214,9 @@ class AsyncCheckpointMixin:
             if config.keep_last is not None:
                 raise ValueError("CheckpointConfig.keep_last does not apply to the Trainer: "
                                  "use TrainingArguments.save_total_limit")
+            if config.staging != "eager":
+                raise ValueError("CheckpointConfig.staging='lazy' does not apply to the Trainer: the next "
+                                 "step changes weights and buffers before the copy would end; use 'eager'")
             self._checkpointer = AsyncCheckpointer(config=config)
         return self._checkpointer
 
@@ -230,20 +243,21 @@ class AsyncCheckpointMixin:
             log.exception("a checkpoint save failed while train() was ending with an error")
 
     def _rotate(self, run_dir: str) -> None:
-        """Keep the save_total_limit newest complete checkpoints (and the best one); remove older
-        ones and folders that interrupted saves left behind the newest complete one."""
+        """Keep the save_total_limit most recently written complete checkpoints (and the best
+        one); remove older ones, and folders that interrupted saves left at steps before the
+        newest one."""
         limit = self.args.save_total_limit
         if limit is None or limit <= 0:
             return
         in_flight = self._checkpointer.in_flight_dir if self._checkpointer is not None else None
         found = _checkpoint_folders(run_dir)
-        complete = [(step, path) for step, path in found if _is_complete(path)]
+        complete = sorted(((_written_at(path), step, path) for step, path in found if _is_complete(path)))
         if not complete:
             return
-        keep = {path for _, path in complete[-limit:]}
+        keep = {path for _, _, path in complete[-limit:]}  # the newest written (rewound runs included)
         best = self.state.best_model_checkpoint
         protected = {os.path.normpath(p) for p in (in_flight, best) if p}
-        newest_step = complete[-1][0]
+        newest_step = complete[-1][1]
         for step, path in found:
             if path in keep or os.path.normpath(path) in protected:
                 continue
@@ -280,6 +294,12 @@ def _is_committed(path: Optional[str]) -> bool:
 def _is_complete(path: str) -> bool:
     """Committed, or a stock Trainer checkpoint (its model weights are there)."""
     return _is_committed(path) or any(os.path.isfile(os.path.join(path, name)) for name in STOCK_WEIGHT_FILES)
+
+
+def _written_at(path: str) -> float:
+    """When a checkpoint was committed (its `.metadata`), or for a stock one, its folder's time."""
+    metadata = os.path.join(path, METADATA_FILE)
+    return os.path.getmtime(metadata if os.path.isfile(metadata) else path)
 
 
 def _checkpoint_folders(run_dir: str) -> list[tuple[int, str]]:
@@ -338,10 +358,11 @@ def _restore_trainer_state_file(checkpoint: str, write: bool) -> None:
     storage_for(checkpoint).write_atomic(path, state["trainer_state"].encode())
 
 
-def _saved_keys(checkpoint: str, group: str) -> set[str]:
-    """The keys under `group.` in a checkpoint's `.metadata` (first level)."""
+def _saved_keys(checkpoint: str, group: str, depth: Optional[int] = 1) -> set[str]:
+    """The keys under `group.` in a checkpoint's `.metadata`: their first level, or whole (depth=None)."""
     prefix = f"{group}."
-    return {k[len(prefix):].split(".", 1)[0] for k in read_metadata(checkpoint).state_dict_metadata if k.startswith(prefix)}
+    keys = [k[len(prefix):] for k in read_metadata(checkpoint).state_dict_metadata if k.startswith(prefix)]
+    return set(keys) if depth is None else {k.split(".", 1)[0] for k in keys}
 
 
 def _saved_groups(checkpoint: str) -> set[str]:
@@ -354,6 +375,16 @@ def _remove_folder(path: str) -> None:
     if storage.exists(os.path.join(path, METADATA_FILE)):
         storage.remove_file(os.path.join(path, METADATA_FILE))
     storage.remove_tree(path)
+
+
+def _saved_entries_only(optimizer_state: dict[str, Any], checkpoint: str) -> dict[str, Any]:
+    """The optimizer template minus the parameters the checkpoint holds no state for (one that
+    never had a gradient, e.g. an unused head): building the template gives every parameter
+    state, and DCP would refuse the missing keys; loading leaves those parameters stateless, as
+    in the saved run."""
+    saved = {key.rsplit(".", 1)[0] for key in _saved_keys(checkpoint, "optimizer.state", depth=None)}  # minus the moment's name
+    optimizer_state["state"] = {fqn: moments for fqn, moments in optimizer_state["state"].items() if fqn in saved}
+    return optimizer_state
 
 
 def _torch_optimizer(optimizer) -> torch.optim.Optimizer:

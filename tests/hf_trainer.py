@@ -31,8 +31,8 @@ class TokenData(torch.utils.data.Dataset):
         return {"input_ids": self.tokens[i], "labels": self.tokens[i]}
 
 
-def tiny_gpt2() -> transformers.GPT2LMHeadModel:
-    config = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=64, n_positions=32,
+def tiny_gpt2(layers: int = 2) -> transformers.GPT2LMHeadModel:
+    config = transformers.GPT2Config(n_layer=layers, n_head=2, n_embd=32, vocab_size=64, n_positions=32,
                                      bos_token_id=0, eos_token_id=0)  # dropout stays on: RNG matters
     torch.manual_seed(0)
     return transformers.GPT2LMHeadModel(config)
@@ -48,8 +48,9 @@ def training_args(out_dir: str, **overrides) -> transformers.TrainingArguments:
     return transformers.TrainingArguments(**options)
 
 
-def make_trainer(out_dir: str, trainer_class=AsyncCheckpointTrainer, callbacks=None, eval_dataset=None, **overrides):
-    return trainer_class(model=tiny_gpt2(), args=training_args(out_dir, **overrides), train_dataset=TokenData(),
+def make_trainer(out_dir: str, trainer_class=AsyncCheckpointTrainer, callbacks=None, eval_dataset=None, model=None,
+                 **overrides):
+    return trainer_class(model=model if model is not None else tiny_gpt2(), args=training_args(out_dir, **overrides), train_dataset=TokenData(),
                          eval_dataset=eval_dataset, callbacks=callbacks)
 
 
@@ -71,11 +72,13 @@ def main() -> None:
     parser.add_argument("--save-total-limit", type=int)
     parser.add_argument("--ddp", action="store_true", help="under torchrun: gloo, 2 sequences per rank and step")
     parser.add_argument("--resume", help="resume_from_checkpoint")
+    parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--final", help="torch.save the final model and optimizer state here (rank 0)")
     args = parser.parse_args()
     callbacks = [KillAtSave(args.kill_at_save)] if args.kill_at_save else None
     overrides = dict(ddp_backend="gloo", per_device_train_batch_size=2) if args.ddp else {}
-    trainer = make_trainer(args.out_dir, callbacks=callbacks, save_total_limit=args.save_total_limit, **overrides)
+    trainer = make_trainer(args.out_dir, callbacks=callbacks, save_total_limit=args.save_total_limit,
+                           model=tiny_gpt2(args.layers), **overrides)
     if args.ddp:  # each rank's dropout draws differ, as with per-rank seeds: a resume must restore each rank's own
         torch.manual_seed(100 + trainer.args.process_index)
     trainer.train(resume_from_checkpoint=args.resume)

@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers")  # the test extra installs it
 pytest.importorskip("accelerate")
 
 import hf_trainer  # noqa: E402  (tests/ is on sys.path)
-from asyncckpt import CheckpointConfig  # noqa: E402
+from asyncckpt import CheckpointConfig, CheckpointError  # noqa: E402
 from asyncckpt.transformers import AsyncCheckpointMixin, AsyncCheckpointTrainer  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -138,6 +138,22 @@ def test_a_run_started_with_the_stock_trainer_continues_from_its_checkpoint(tmp_
     assert METADATA in os.listdir(os.path.join(out, "checkpoint-20"))
 
 
+def test_a_parameter_that_never_had_a_gradient_does_not_stop_a_resume(tmp_path):
+    """An unused head has no optimizer state in the checkpoint; the resumed run loads the others
+    and leaves it stateless, as the uninterrupted run does, and ends equal to it."""
+    def model_with_unused_head():
+        model = hf_trainer.tiny_gpt2()
+        model.unused_head = torch.nn.Linear(4, 4)
+        return model
+
+    full = hf_trainer.make_trainer(str(tmp_path / "full"), model=model_with_unused_head(), max_steps=10)
+    full.train()
+    resumed = hf_trainer.make_trainer(str(tmp_path / "full"), model=model_with_unused_head(), max_steps=10)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-5"))
+    assert_same(final_state(resumed), final_state(full))
+    assert not any(p in resumed.optimizer.optimizer.state for p in resumed.model.unused_head.parameters())
+
+
 def test_rotation_keeps_save_total_limit_committed_folders_and_removes_a_torn_one(tmp_path):
     """A torn checkpoint-10 from a killed run; the resumed run (resume_from_checkpoint=True) with
     save_total_limit=2 ends with exactly the two newest committed checkpoints."""
@@ -239,16 +255,22 @@ def torchrun_training(out: str, *extra: str) -> None:
 
 
 def test_under_2_rank_ddp_each_rank_keeps_its_rng_and_a_resumed_run_ends_equal(tmp_path):
-    """torchrun, 2 ranks: checkpoints hold one RNG state per rank (model and optimizer once), and
-    a run resumed from checkpoint-10 ends with the uninterrupted run's weights and moments."""
+    """torchrun, 2 ranks: checkpoints hold one RNG state per rank (model and optimizer once) and
+    rank 0's trainer state (a 1-layer model, where DCP's de-duplication would keep rank 1's copy
+    of an item both ranks stage), and a run resumed from checkpoint-10 ends with the
+    uninterrupted run's weights and moments."""
     out = str(tmp_path / "run")
-    torchrun_training(out, "--final", str(tmp_path / "full.pt"))
+    torchrun_training(out, "--layers", "1", "--final", str(tmp_path / "full.pt"))
     last = os.path.join(out, "checkpoint-20")
     saved = dcp.FileSystemReader(last).read_metadata().state_dict_metadata
     assert {k.split(".")[0] for k in saved} == {"model", "optimizer", "scheduler", "rng_0", "rng_1", "trainer_state"}
+    trainer_state = {"trainer_state": ""}
+    dcp.load(trainer_state, checkpoint_id=last, no_dist=True)
+    assert json.loads(trainer_state["trainer_state"])["is_world_process_zero"] is True
     resumed = str(tmp_path / "resumed")
     shutil.copytree(out, resumed)
-    torchrun_training(resumed, "--resume", os.path.join(resumed, "checkpoint-10"), "--final", str(tmp_path / "resumed.pt"))
+    torchrun_training(resumed, "--layers", "1", "--resume", os.path.join(resumed, "checkpoint-10"),
+                      "--final", str(tmp_path / "resumed.pt"))
     full, again = torch.load(tmp_path / "full.pt"), torch.load(tmp_path / "resumed.pt")
     assert_same(full["model"], again["model"])
     for param, moments in full["optimizer"]["state"].items():
@@ -259,9 +281,28 @@ def test_a_configuration_it_cannot_honour_fails_at_construction(tmp_path):
     class KeepLast(AsyncCheckpointTrainer):
         checkpoint_config = CheckpointConfig(keep_last=2)
 
+    class Lazy(AsyncCheckpointTrainer):
+        checkpoint_config = CheckpointConfig(staging="lazy")
+
     with pytest.raises(ValueError, match="save_total_limit"):
         hf_trainer.make_trainer(str(tmp_path), trainer_class=KeepLast)
+    with pytest.raises(ValueError, match="lazy"):  # the next step would change the state before the copy ends
+        hf_trainer.make_trainer(str(tmp_path), trainer_class=Lazy)
     assert not os.listdir(tmp_path)
+
+
+def test_an_optimizer_holding_a_parameter_outside_the_model_fails_the_save_clearly(tmp_path):
+    extra = torch.nn.Parameter(torch.zeros(3))
+
+    class ExtraParameter(AsyncCheckpointTrainer):
+        def create_optimizer(self, model=None):
+            self.optimizer = torch.optim.AdamW(list(self.model.parameters()) + [extra], lr=1e-3)
+            return self.optimizer
+
+    trainer = hf_trainer.make_trainer(str(tmp_path / "run"), trainer_class=ExtraParameter, max_steps=5)
+    with pytest.raises(CheckpointError, match="every parameter it holds must be one of the model's"):
+        trainer.train()
+    assert not os.path.exists(tmp_path / "run" / "checkpoint-5" / METADATA)
 
 
 def test_resume_from_a_folder_no_save_committed_names_the_problem(tmp_path):
