@@ -26,7 +26,6 @@ import dataclasses
 import json
 import logging
 import os
-import re
 from typing import Any, Optional
 
 import torch
@@ -43,19 +42,17 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimi
 from .checkpointer import AsyncCheckpointer
 from .config import CheckpointConfig
 from .errors import CheckpointError
-from .loading import METADATA_FILE, load
+from .loading import load
 from .rng import rng_state, set_rng_state
 from .safe_reader import read_metadata
 from .storage import storage_for
+from .trainer_folders import checkpoint_folders, is_committed, is_complete, remove_folder, resume_target, written_at
 
 log = logging.getLogger("asyncckpt")
 
 __all__ = ["AsyncCheckpointMixin", "AsyncCheckpointTrainer"]
 
 TRAINER_STATE_FILE = "trainer_state.json"
-STOCK_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
-                      "pytorch_model.bin.index.json", "adapter_model.safetensors", "adapter_model.bin")
-_CHECKPOINT_NAME = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
 
 
 class AsyncCheckpointMixin:
@@ -77,8 +74,8 @@ class AsyncCheckpointMixin:
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
         """Trainer.train, with saves in the background. `resume_from_checkpoint=True` resumes from
         the newest committed checkpoint; every save is committed before this returns."""
-        resume = _resume_target(self.args.output_dir, resume_from_checkpoint)
-        if resume is not None and _is_committed(resume):
+        resume = resume_target(self.args.output_dir, resume_from_checkpoint)
+        if resume is not None and is_committed(resume):
             _restore_trainer_state_file(resume, write=self.args.should_save)
         self._open_checkpointer()  # a train() after another one starts a fresh worker
         try:
@@ -143,7 +140,7 @@ class AsyncCheckpointMixin:
 
     # resuming --------------------------------------------------------------------------------
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None) -> None:
-        if not _is_committed(resume_from_checkpoint):
+        if not is_committed(resume_from_checkpoint):
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
         self._load_model(resume_from_checkpoint, model if model is not None else self.model)
         self._open_checkpointer().resumed_from(resume_from_checkpoint)  # incremental saves continue from it
@@ -151,13 +148,13 @@ class AsyncCheckpointMixin:
     def _load_best_model(self) -> None:
         best = self.state.best_model_checkpoint
         self._commit(blocking=True)  # the best checkpoint may still be in flight
-        if not _is_committed(best):
+        if not is_committed(best):
             return super()._load_best_model()
         log.info("loading the best model from %s (score: %s)", best, self.state.best_metric)
         self._load_model(best, self.model)
 
     def _load_optimizer_and_scheduler(self, checkpoint) -> None:
-        if checkpoint is None or not _is_committed(checkpoint):
+        if checkpoint is None or not is_committed(checkpoint):
             return super()._load_optimizer_and_scheduler(checkpoint)
         saved = _saved_groups(checkpoint)
         optimizer = _torch_optimizer(self.optimizer)
@@ -176,7 +173,7 @@ class AsyncCheckpointMixin:
             self.lr_scheduler.load_state_dict(state["scheduler"])
 
     def _load_scaler(self, checkpoint) -> None:
-        if checkpoint is None or not _is_committed(checkpoint):
+        if checkpoint is None or not is_committed(checkpoint):
             return super()._load_scaler(checkpoint)
         scaler = getattr(self.accelerator, "scaler", None)
         if scaler is not None and "scaler" in _saved_groups(checkpoint):
@@ -185,7 +182,7 @@ class AsyncCheckpointMixin:
             scaler.load_state_dict(state["scaler"])
 
     def _load_rng_state(self, checkpoint) -> None:
-        if checkpoint is None or not _is_committed(checkpoint):
+        if checkpoint is None or not is_committed(checkpoint):
             return super()._load_rng_state(checkpoint)
         key = _rng_key(self.args)
         state: dict[str, Any] = {}
@@ -250,8 +247,8 @@ class AsyncCheckpointMixin:
         if limit is None or limit <= 0:
             return
         in_flight = self._checkpointer.in_flight_dir if self._checkpointer is not None else None
-        found = _checkpoint_folders(run_dir)
-        complete = sorted(((_written_at(path), step, path) for step, path in found if _is_complete(path)))
+        found = checkpoint_folders(run_dir)
+        complete = sorted(((written_at(path), step, path) for step, path in found if is_complete(path)))
         if not complete:
             return
         keep = {path for _, _, path in complete[-limit:]}  # the newest written (rewound runs included)
@@ -261,9 +258,9 @@ class AsyncCheckpointMixin:
         for step, path in found:
             if path in keep or os.path.normpath(path) in protected:
                 continue
-            if _is_complete(path) or step < newest_step:
+            if is_complete(path) or step < newest_step:
                 log.info("deleting %s (save_total_limit=%d)", path, limit)
-                _remove_folder(path)
+                remove_folder(path)
 
 
 class AsyncCheckpointTrainer(AsyncCheckpointMixin, transformers.Trainer):
@@ -283,59 +280,6 @@ class _CommitPoller(TrainerCallback):
 
 def _rng_key(args) -> str:
     return "rng" if args.world_size <= 1 else f"rng_{args.process_index}"
-
-
-# checkpoint folders ---------------------------------------------------------------------------
-def _is_committed(path: Optional[str]) -> bool:
-    """An asyncckpt (or any DCP) checkpoint whose commit happened."""
-    return bool(path) and os.path.isfile(os.path.join(path, METADATA_FILE))
-
-
-def _is_complete(path: str) -> bool:
-    """Committed, or a stock Trainer checkpoint (its model weights are there)."""
-    return _is_committed(path) or any(os.path.isfile(os.path.join(path, name)) for name in STOCK_WEIGHT_FILES)
-
-
-def _written_at(path: str) -> float:
-    """When a checkpoint was committed (its `.metadata`), or for a stock one, its folder's time."""
-    metadata = os.path.join(path, METADATA_FILE)
-    return os.path.getmtime(metadata if os.path.isfile(metadata) else path)
-
-
-def _checkpoint_folders(run_dir: str) -> list[tuple[int, str]]:
-    """(step, path) of every checkpoint-N folder in `run_dir`, oldest step first."""
-    try:
-        names = os.listdir(run_dir)
-    except FileNotFoundError:
-        return []
-    found = [(int(m.group(1)), os.path.join(run_dir, n)) for n in names if (m := _CHECKPOINT_NAME.match(n))]
-    return sorted((step, path) for step, path in found if os.path.isdir(path) and not os.path.islink(path))
-
-
-def _resume_target(output_dir: str, requested) -> Optional[str]:
-    """The folder to resume from: for True the newest complete checkpoint in output_dir; for a
-    folder an interrupted save left (e.g. what `get_last_checkpoint` returns after a crash), the
-    newest complete one at or before its step."""
-    if requested is None or requested is False:
-        return None
-    if requested is True:
-        complete = [path for _, path in _checkpoint_folders(output_dir) if _is_complete(path)]
-        if not complete:
-            raise ValueError(f"No valid checkpoint found in output directory ({output_dir})")
-        return complete[-1]
-    path = os.fspath(requested)
-    if not os.path.isdir(path) or _is_complete(path):
-        return path  # Trainer reports a missing folder in its own words
-    match = _CHECKPOINT_NAME.match(os.path.basename(os.path.normpath(path)))
-    parent = os.path.dirname(os.path.normpath(path))
-    earlier = [p for step, p in _checkpoint_folders(parent)
-               if _is_complete(p) and match is not None and step <= int(match.group(1))]
-    if not earlier:
-        raise CheckpointError(f"{path!r} is a save that never committed (no {METADATA_FILE}: the run stopped "
-                              "while writing it), and no committed checkpoint precedes it")
-    log.warning("%s is a save that never committed (the run stopped while writing it); resuming from %s, "
-                "the newest committed checkpoint before it", path, earlier[-1])
-    return earlier[-1]
 
 
 def _restore_trainer_state_file(checkpoint: str, write: bool) -> None:
@@ -367,14 +311,6 @@ def _saved_keys(checkpoint: str, group: str, depth: Optional[int] = 1) -> set[st
 
 def _saved_groups(checkpoint: str) -> set[str]:
     return {k.split(".", 1)[0] for k in read_metadata(checkpoint).state_dict_metadata}
-
-
-def _remove_folder(path: str) -> None:
-    """Un-commit first: a crash mid-delete leaves a torn folder, never a broken checkpoint."""
-    storage = storage_for(path)
-    if storage.exists(os.path.join(path, METADATA_FILE)):
-        storage.remove_file(os.path.join(path, METADATA_FILE))
-    storage.remove_tree(path)
 
 
 def _saved_entries_only(optimizer_state: dict[str, Any], checkpoint: str) -> dict[str, Any]:
