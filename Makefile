@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv install test example example-ddp example-lightning bench bench-load bench-doors bench-lightning bench-incremental bench-transformers lint clean
+.PHONY: venv install test example example-ddp example-lightning example-transformers bench bench-load bench-doors bench-lightning bench-incremental bench-transformers lint clean
 
 venv: $(STAMP)
 
@@ -39,6 +39,10 @@ example-ddp: venv
 example-lightning: venv
 	$(PY) examples/lightning_fit.py --dir checkpoints/lightning --fresh --steps 24
 	$(PY) examples/lightning_fit.py --dir checkpoints/lightning --steps 48
+
+example-transformers: venv
+	$(PY) examples/transformers_trainer.py --dir checkpoints/transformers --fresh --steps 20
+	$(PY) examples/transformers_trainer.py --dir checkpoints/transformers --steps 40
 
 bench: venv
 	$(PY) benchmarks/bench_save.py --out bench_out/bench.json --plot bench_out/bench.png

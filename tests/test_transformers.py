@@ -277,6 +277,19 @@ def test_under_2_rank_ddp_each_rank_keeps_its_rng_and_a_resumed_run_ends_equal(t
         assert_same(moments, again["optimizer"]["state"][param])
 
 
+def test_the_example_trains_resumes_and_exports(tmp_path):
+    """examples/transformers_trainer.py as `make example-transformers` runs it, smaller: a fresh
+    run, then one that resumes (its self-checks exit non-zero when they fail)."""
+    example = os.path.join(os.path.dirname(HERE), "examples", "transformers_trainer.py")
+    for extra in (["--fresh", "--steps", "12"], ["--steps", "22"]):
+        done = subprocess.run([sys.executable, example, "--dir", str(tmp_path), *extra], capture_output=True, text=True,
+                              timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+    assert "checkpoint-12 (step 12): weights equal the checkpoint" in done.stdout
+    assert "trained to step 22; committed checkpoints kept: checkpoint-20, checkpoint-22" in done.stdout  # Trainer saves at the end too
+    assert os.path.isfile(tmp_path / "hf_model-22" / "model.safetensors")
+
+
 def test_a_configuration_it_cannot_honour_fails_at_construction(tmp_path):
     class KeepLast(AsyncCheckpointTrainer):
         checkpoint_config = CheckpointConfig(keep_last=2)
