@@ -136,7 +136,7 @@ def commit_checkpoint(storage: Storage, target: SaveTarget, written: list[ItemWr
     (`.checksums.<save_id>.json`), so the committed checkpoint keeps a matching sidecar until
     the new `.metadata` replaces the old one."""
     step_dir = target.step_dir
-    storage_data = {w.index: _StorageInfo(w.relative_path, w.offset, w.length) for w in written}
+    storage_data = {w.index.to_dcp(): _StorageInfo(w.relative_path, w.offset, w.length) for w in written}
     save_id = uuid.uuid4().hex
     final = dataclasses.replace(
         target.metadata,
@@ -147,7 +147,7 @@ def commit_checkpoint(storage: Storage, target: SaveTarget, written: list[ItemWr
     checksums = [
         ItemChecksum(
             w.index.fqn,
-            tuple(w.index.offset) if w.index.offset is not None else None,
+            w.index.offset,
             w.relative_path,
             w.offset,
             w.length,

@@ -10,10 +10,8 @@ from __future__ import annotations
 import logging
 from typing import Optional
 
-from torch.distributed.checkpoint.metadata import MetadataIndex
-
 from .errors import CheckpointError
-from .protocol import IncrementalBase, ItemWritten
+from .protocol import IncrementalBase, ItemIndex, ItemWritten
 from .safe_reader import read_metadata
 from .storage import storage_for
 from .verify import committed_save_id, find_sidecar, read_sidecar, sidecar_belongs_to
@@ -82,8 +80,8 @@ def base_from_checkpoint(path: str, rank: int) -> Optional[IncrementalBase]:
     own = f"__{rank}_"
     items = []
     for entry in sidecar.items:
-        index = MetadataIndex(entry.fqn, entry.offset)
-        info = stored.get(index)
+        index = ItemIndex(entry.fqn, tuple(entry.offset) if entry.offset is not None else None)
+        info = stored.get(index.to_dcp())
         if (entry.digest is None or not entry.relative_path.startswith(own) or info is None
                 or (info.relative_path, info.offset, info.length) != (entry.relative_path, entry.start, entry.length)):
             continue

@@ -11,10 +11,30 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
-from torch.distributed.checkpoint.metadata import MetadataIndex
 
 TENSOR = "tensor"
 BYTES = "bytes"
+
+
+@dataclass(frozen=True)
+class ItemIndex:
+    """DCP's MetadataIndex, minus the import: unpickling DCP's class in the worker would load
+    torch.distributed.checkpoint (DTensor, sympy: about a second of every worker's start-up).
+    Compares and hashes as MetadataIndex does (`index` is only a lookup hint)."""
+
+    fqn: str
+    offset: Optional[tuple[int, ...]] = None
+    index: Optional[int] = field(default=None, compare=False, hash=False)
+
+    @classmethod
+    def of(cls, dcp_index) -> "ItemIndex":
+        offset = tuple(dcp_index.offset) if dcp_index.offset is not None else None
+        return cls(dcp_index.fqn, offset, dcp_index.index)
+
+    def to_dcp(self):
+        from torch.distributed.checkpoint.metadata import MetadataIndex  # the trainer side only
+
+        return MetadataIndex(self.fqn, self.offset, self.index)
 
 
 @dataclass(frozen=True)
@@ -31,9 +51,9 @@ class WorkerSettings:
 
 @dataclass(frozen=True)
 class ItemSpec:
-    """One plan item: a tensor chunk or a pickled object, addressed by DCP's MetadataIndex."""
+    """One plan item: a tensor chunk or a pickled object, addressed by its DCP index."""
 
-    index: MetadataIndex
+    index: ItemIndex
     kind: str  # TENSOR or BYTES
     dtype: Optional[torch.dtype] = None
     shape: tuple[int, ...] = ()
@@ -121,7 +141,7 @@ class Staged:
 class ItemWritten:
     """Where one item landed: DCP's (relative_path, offset, length), plus its checksum."""
 
-    index: MetadataIndex
+    index: ItemIndex
     relative_path: str
     offset: int
     length: int

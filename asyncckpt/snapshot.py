@@ -20,7 +20,7 @@ import torch.multiprocessing
 
 from .errors import CheckpointError
 from .planning import PlannedSave, is_tensor_item
-from .protocol import BYTES, TENSOR, ItemSpec
+from .protocol import BYTES, TENSOR, ItemIndex, ItemSpec
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ def take_snapshot(planned: PlannedSave) -> Snapshot:
     for pos, item in enumerate(planned.plan.items):
         if not is_tensor_item(item):
             objects[pos] = _pickled_object(planned, item)
-            items.append(ItemSpec(item.index, BYTES))
+            items.append(ItemSpec(ItemIndex.of(item.index), BYTES))
             tensors.append(None)
             fingerprints.append(None)
             continue
@@ -69,7 +69,7 @@ def take_snapshot(planned: PlannedSave) -> Snapshot:
         if fresh:
             always_fresh.add(pos)
         has_cuda = has_cuda or tensor.is_cuda
-        items.append(ItemSpec(item.index, TENSOR, tensor.dtype, tuple(tensor.shape)))
+        items.append(ItemSpec(ItemIndex.of(item.index), TENSOR, tensor.dtype, tuple(tensor.shape)))
         tensors.append(tensor)
         fingerprints.append(_fingerprint(tensor))
     return Snapshot(

@@ -46,34 +46,42 @@ def recording(func, *args, **kwargs):
 
 atexit.register = recording
 import asyncckpt_worker.main, asyncckpt.msc_storage  # its entry point; the object-store backend it may load
-print(json.dumps({"modules": [m for m in sys.modules if m.partition(".")[0] == "asyncckpt"], "atexit": registered}))
+print(json.dumps({"modules": [m for m in sys.modules if m.partition(".")[0] == "asyncckpt"], "atexit": registered,
+                  "dcp": "torch.distributed.checkpoint" in sys.modules}))
 """
 
 
 def test_importing_the_worker_loads_no_trainer_module_and_no_exit_handler():
     """The worker imports asyncckpt.protocol/formats/storage; that must not run the trainer side
-    (checkpointer, client, planning, commit, loading, safety...) nor register its exit handler."""
+    (checkpointer, client, planning, commit, loading, safety...) nor register its exit handler,
+    nor load torch.distributed.checkpoint (it pulls DTensor and sympy: about a second more of
+    every worker's start-up, which a first save may wait for)."""
     done = subprocess.run([sys.executable, "-c", IMPORT_LIKE_THE_WORKER], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     found = json.loads(done.stdout.splitlines()[-1])
     assert set(found["modules"]) <= WORKER_SIDE, sorted(set(found["modules"]) - WORKER_SIDE)
     assert not [m for m in found["atexit"] if m.partition(".")[0] == "asyncckpt"], found["atexit"]
+    assert not found["dcp"]
 
 
 def test_the_spawned_worker_loads_no_trainer_module(tmp_path, capfd):
-    """The real worker, after serving a save, lists the library modules it holds (a DEBUG line
-    on its stderr as it exits): the worker side only."""
+    """The real worker, after serving a full and an incremental save, lists the library modules
+    it holds (a DEBUG line on its stderr as it exits): the worker side only, and no
+    torch.distributed.checkpoint (the messages it unpickles do not name DCP's classes)."""
     logger = logging.getLogger("asyncckpt")
     level = logger.level
     logger.setLevel(logging.DEBUG)  # the worker takes the trainer's level when it is spawned
     try:
-        with AsyncCheckpointer(str(tmp_path / "ckpt"), CheckpointConfig(io_workers=2)) as ckpt:
-            ckpt.schedule_save({"w": torch.arange(8.0), "meta": {"step": 1}}, step=1)
-            ckpt.finalize(blocking=True)
+        with AsyncCheckpointer(str(tmp_path / "ckpt"), CheckpointConfig(io_workers=2, incremental=True)) as ckpt:
+            for step in (1, 2):
+                ckpt.schedule_save({"w": torch.arange(8.0), "meta": {"step": step}}, step=step)
+                ckpt.finalize(blocking=True)
     finally:
         logger.setLevel(level)
-    lines = re.findall(r"asyncckpt-worker\[0\] DEBUG exiting; asyncckpt modules loaded here: (.*)", capfd.readouterr().err)
+    err = capfd.readouterr().err
+    lines = re.findall(r"asyncckpt-worker\[0\] DEBUG exiting; asyncckpt modules loaded here: (.*)", err)
     assert len(lines) == 1, lines
+    assert "asyncckpt-worker[0] DEBUG torch.distributed.checkpoint loaded: False" in err
     modules = set(lines[0].split(", "))
     assert {"asyncckpt.protocol", "asyncckpt.formats", "asyncckpt.storage"} <= modules
     assert modules <= WORKER_SIDE, sorted(modules - WORKER_SIDE)

@@ -126,6 +126,7 @@ def run(conn, settings: WorkerSettings) -> None:
     finally:
         loop.close()
         log.debug("exiting; asyncckpt modules loaded here: %s", ", ".join(_asyncckpt_modules()))
+        log.debug("torch.distributed.checkpoint loaded: %s", "torch.distributed.checkpoint" in sys.modules)
 
 
 def _asyncckpt_modules() -> list[str]:
