@@ -71,8 +71,9 @@ class AsyncCheckpointIO(CheckpointIO):
         self._init_runtime()
         if _launched_as_global_rank_zero():  # start the workers now: the first save need not wait for them
             with self._lock:
-                while len(self._savers) < self.max_in_flight:
-                    self._new_saver()
+                self._new_saver()
+                self._prestart = True  # the commit thread starts the others, one after another
+                self._start_committer()
 
     def _init_runtime(self) -> None:
         self._lock = threading.RLock()  # every use of the checkpointers holds it
@@ -82,6 +83,7 @@ class AsyncCheckpointIO(CheckpointIO):
         self._deferred: dict[AsyncCheckpointer, tuple[dict, str]] = {}  # private copies not yet scheduled
         self._failures: list[str] = []  # failed saves not yet raised to Lightning
         self._committer: Optional[threading.Thread] = None
+        self._prestart = False  # start workers up to max_in_flight, each once the previous one is ready
         self._closed = False
 
     def __getstate__(self) -> dict:
@@ -265,17 +267,24 @@ class AsyncCheckpointIO(CheckpointIO):
 
     def _commit_loop(self) -> None:
         """Commit saves as their writes end, so a checkpoint exists (and on_commit runs) without
-        waiting for Lightning's next call. Polls while a save is in flight; sleeps otherwise."""
+        waiting for Lightning's next call. Polls while a save is in flight; sleeps otherwise.
+        At the start it also starts the workers after the first, one at a time: each imports
+        torch (a second of CPU), and two at once would take a core from the training loop."""
         while True:
             with self._lock:
                 if self._closed:
                     return
+                if self._prestart and all(saver.worker_ready for saver in self._savers):
+                    if len(self._savers) < self.max_in_flight:
+                        self._new_saver()
+                    self._prestart = len(self._savers) < self.max_in_flight
                 for saver in self._savers:
                     if saver.worker_ready:  # not before: the hand-off would hold the lock the trainer's next save needs
                         self._schedule_deferred(saver)
                     if saver.in_flight_dir is not None:
                         self._finalize(saver, blocking=False)
-                pending = any(saver.in_flight_dir is not None or saver in self._deferred for saver in self._savers)
+                pending = self._prestart or any(
+                    saver.in_flight_dir is not None or saver in self._deferred for saver in self._savers)
                 if not pending:
                     self._wake.clear()  # under the lock: a save scheduled after this sets it again
             if pending:

@@ -167,7 +167,7 @@ def test_the_first_saves_do_not_wait_for_the_workers_to_start(tmp_path):
     plugin spawned are still starting: both saves return once copied, even though no worker can
     run yet (stopped here), and keep the values of the call; a removal of one waits for it."""
     state = {"state_dict": {"w": torch.arange(4096.0)}, "epoch": 0}
-    plugin = AsyncCheckpointIO()  # spawns its two workers now
+    plugin = AsyncCheckpointIO()  # spawns its first worker now (the second once the first is up, or at this event)
     workers = _workers(plugin)
     for worker in workers:
         worker.suspend()
