@@ -58,3 +58,27 @@ def test_last_save_succeeding_at_exit_commits_it_and_exits_0(tmp_path):
     assert done.returncode == 0, done.stderr
     assert "NOT committed" not in done.stderr
     assert committed_steps(root) == [1, 2] and read_latest_marker(root) == "step_00000002"
+
+
+LET_GO_BEFORE_READY = """
+import os
+from asyncckpt.client import WorkerClient
+from asyncckpt.protocol import WorkerSettings
+
+client = WorkerClient(WorkerSettings(rank=0, parent_pid=os.getpid()))
+client.start()
+process = client._process
+client._conn.close()  # the trainer lets go of the worker while it is still starting
+process.join(120)
+print("worker exit status", process.exitcode)
+"""
+
+
+def test_a_worker_let_go_while_starting_exits_quietly():
+    """A trainer that closes its checkpointer (or Lightning plugin) before the worker finished
+    starting must not get a worker traceback on its stderr: the worker sees the closed
+    connection when it says Ready and exits with status 0."""
+    done = subprocess.run([sys.executable, "-c", LET_GO_BEFORE_READY], capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr
+    assert "worker exit status 0" in done.stdout, (done.stdout, done.stderr)
+    assert "Traceback" not in done.stderr, done.stderr

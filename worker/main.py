@@ -120,8 +120,12 @@ def run(conn, settings: WorkerSettings) -> None:
     loop = ServeLoop(conn, settings, forks)
     _start_parent_watchdog(settings.parent_pid, loop)
     gc.freeze()
-    conn.send(Ready())
     try:
+        try:
+            conn.send(Ready())
+        except OSError:  # the trainer let go of this worker while it started (closed, or gone)
+            log.info("trainer connection closed before this worker was ready; exiting")
+            return
         loop.serve()
     finally:
         loop.close()
