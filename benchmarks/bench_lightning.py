@@ -5,16 +5,18 @@ Every method runs the same CPU fit (an MLP, Adam, deterministic data) in this pr
 ModelCheckpoint(every_n_train_steps=N, save_top_k=2, save_last=True), so each checkpoint event is
 two saves (a top-k one and last.ckpt). Figures per method: total fit time (trainer.fit, which
 includes the wait for saves still in flight at its end) and its overhead over the fit without
-checkpoints, both medians of `--rounds` interleaved runs of every method, and the time the training loop
+checkpoints run beside it (the median over `--rounds` such pairs); the time the training loop
 was blocked per save (`trainer.save_checkpoint` as ModelCheckpoint calls it: gathering the state
-and handing it to the IO plugin): the first event's two saves apart, then mean and max.
+and handing it to the IO plugin): the first event's two saves apart, then mean and max; and the
+CPU time the fit (trainer and workers) used beyond the fit without checkpoints, a figure this
+box's drifting speed hardly touches.
 
 Two configurations run, each with every method side by side: the short one (40 steps, an event
 every 10: a save every ~0.7 s of training, more checkpoint than training: no IO fits in 5% of
 that) and a representative one (400 steps, an event every 100: several seconds of training
 between events, as real jobs checkpoint far less often than every second).
 
-    python benchmarks/bench_lightning.py                       # ~100 MB of state, about 10 minutes
+    python benchmarks/bench_lightning.py                       # ~100 MB of state, about 20 minutes
     python benchmarks/bench_lightning.py --threads 1           # the fit on one core, one left free
     python benchmarks/bench_lightning.py --width 2048 --steps 80 --out bench_out/bench_lightning.json
 """
@@ -82,40 +84,57 @@ def fit(method: str, args, steps: int, every: int, root: str) -> dict:
 
     trainer.save_checkpoint = timed_save
     model = MLP(args.width, args.depth)
+    cpu_before = _cpu_s()
     started = time.perf_counter()
     trainer.fit(model, loader)
     total = time.perf_counter() - started
     for plugin in plugins:
         if isinstance(plugin, AsyncCheckpointIO):
-            plugin.close()
+            plugin.close()  # its workers exit and are reaped: their CPU time joins ours
+    cpu = _cpu_s() - cpu_before
     state_mb = sum(p.numel() * p.element_size() for p in model.parameters()) * 3 / 1e6  # weights + Adam's 2 moments
     # the first event's two saves are reported apart (first use of the IO)
-    return {"method": method, "fit_s": total, "saves": len(blocked), "state_mb": state_mb,
+    return {"method": method, "fit_s": total, "cpu_s": cpu, "saves": len(blocked), "state_mb": state_mb,
             "blocked_first_event_s": blocked[:2], "blocked_steady_s": blocked[2:]}
 
 
 METHODS = ("none", "default", "lightning-async", "asyncckpt")
 
 
+def _cpu_s() -> float:
+    """CPU seconds of this process and its reaped children (the plugin's workers once closed)."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
 def run_config(args, steps: int, every: int, root: str) -> dict:
-    """Every method's fit in one configuration, `args.rounds` times, interleaved (each round
-    starts one method later), so a slow stretch of this shared box hits every method alike.
-    Figures are medians over the rounds; the overhead is over the median fit without checkpoints."""
+    """Every method's fit in one configuration, each paired with a fit without checkpoints run
+    right before or after it (alternating), `args.rounds` times. This shared box's speed drifts
+    by 10-20 % over minutes, far more than the few percent measured: a method's overhead is the
+    median over rounds of its fit time over its own pair's fit without checkpoints."""
     runs: dict[str, list[dict]] = {m: [] for m in METHODS}
+    ratios: dict[str, list[float]] = {m: [] for m in METHODS[1:]}
     for round_ in range(args.rounds):
-        for method in METHODS[round_ % len(METHODS):] + METHODS[:round_ % len(METHODS)]:
-            runs[method].append(fit(method, args, steps, every, root))
-            shutil.rmtree(os.path.join(root, method), ignore_errors=True)
+        for method in METHODS[1:]:
+            order = (method, "none") if (round_ + METHODS.index(method)) % 2 else ("none", method)
+            pair = {}
+            for which in order:
+                pair[which] = fit(which, args, steps, every, root)
+                runs[which].append(pair[which])
+                shutil.rmtree(os.path.join(root, which), ignore_errors=True)
+            ratios[method].append(pair[method]["fit_s"] / pair["none"]["fit_s"])
         print(f"  round {round_ + 1}/{args.rounds} done", flush=True)
     baseline = statistics.median(r["fit_s"] for r in runs["none"])
+    baseline_cpu = statistics.median(r["cpu_s"] for r in runs["none"])
     table = []
     for method in METHODS[1:]:
         fits = [r["fit_s"] for r in runs[method]]
         steady = [b for r in runs[method] for b in r["blocked_steady_s"]]
         table.append({
             "method": method, "fit_s": statistics.median(fits), "fits_s": fits, "saves": runs[method][0]["saves"],
-            "overhead": statistics.median(fits) / baseline - 1,
-            "overhead_range": (min(fits) / baseline - 1, max(fits) / baseline - 1),
+            "overhead": statistics.median(ratios[method]) - 1,
+            "overhead_range": (min(ratios[method]) - 1, max(ratios[method]) - 1),
+            "extra_cpu_s": statistics.median(r["cpu_s"] for r in runs[method]) - baseline_cpu,
             "blocked_first_event_s": [statistics.median(r["blocked_first_event_s"][i] for r in runs[method])
                                       for i in range(len(runs[method][0]["blocked_first_event_s"]))],
             "blocked_mean_s": statistics.mean(steady) if steady else 0.0, "blocked_max_s": max(steady, default=0.0),
@@ -123,14 +142,14 @@ def run_config(args, steps: int, every: int, root: str) -> dict:
     step_s = baseline / steps
     print(f"\nstate {runs['none'][0]['state_mb']:.0f} MB, {steps} steps ({step_s:.3f} s each), a checkpoint event every "
           f"{every} steps ({every * step_s:.1f} s of training; 2 saves each: top-k + last); fit without checkpoints "
-          f"{baseline:.2f} s (median of {args.rounds}); the fit on {torch.get_num_threads()} of {os.cpu_count()} cores; "
+          f"{baseline:.2f} s (median of {len(runs['none'])}); the fit on {torch.get_num_threads()} of {os.cpu_count()} cores; "
           f"load average {os.getloadavg()[0]:.1f}")
-    print(f"{'method':<16} {'fit s':>8} {'overhead':>9} {'(min..max)':>16} {'saves':>6} {'blocked 1st event':>18} "
+    print(f"{'method':<16} {'fit s':>8} {'overhead':>9} {'(min..max)':>16} {'extra CPU s':>12} {'saves':>6} {'blocked 1st event':>18} "
           f"{'blocked/save after':>19} {'max':>8}")
     for r in table:
         first = " + ".join(f"{b:.3f}" for b in r["blocked_first_event_s"])
         low, high = r["overhead_range"]
-        print(f"{r['method']:<16} {r['fit_s']:>8.2f} {r['overhead']:>8.1%} {f'({low:.1%}..{high:.1%})':>16} "
+        print(f"{r['method']:<16} {r['fit_s']:>8.2f} {r['overhead']:>8.1%} {f'({low:.1%}..{high:.1%})':>16} {r['extra_cpu_s']:>12.2f} "
               f"{r['saves']:>6} {first:>17}s {r['blocked_mean_s']:>18.3f}s {r['blocked_max_s']:>7.3f}s", flush=True)
     return {"steps": steps, "every": every, "baseline_fit_s": baseline, "rows": table, "runs": runs}
 
@@ -146,7 +165,7 @@ def main() -> None:
     parser.add_argument("--long-every", type=int, default=100, help="the representative fit's checkpoint interval")
     parser.add_argument("--threads", type=int, help="torch threads for the fits (default: torch's, every core); "
                         "fewer leaves cores free, as on a GPU node whose CPU is mostly idle")
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved runs of every method per configuration (medians)")
+    parser.add_argument("--rounds", type=int, default=3, help="pairs (a method, a fit without checkpoints) per method and configuration; medians")
     parser.add_argument("--dir", help="where checkpoints go (default: a temporary directory)")
     parser.add_argument("--out", help="write the rows as JSON here")
     args = parser.parse_args()

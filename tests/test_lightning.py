@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 
 import psutil
 import pytest
@@ -160,6 +161,32 @@ def test_load_checkpoint_returns_exactly_the_saved_dict_as_of_the_save(tmp_path)
 
 def _workers(plugin) -> list[psutil.Process]:
     return [psutil.Process(saver.worker_pid) for saver in plugin._savers]
+
+
+def test_the_workers_start_one_after_another_before_any_save():
+    """Built on rank 0, the plugin starts its first worker at once and the second once the first
+    is up, without a save: two interpreters importing torch at once would take a core from the
+    training loop, and a worker started at the first event would make that event wait."""
+    plugin = AsyncCheckpointIO()
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            with plugin._lock:  # the commit thread uses the checkpointers under it too
+                savers = list(plugin._savers)
+                if len(savers) == 2:  # seen within milliseconds of the second's start
+                    assert savers[0].worker_ready, "the second worker started before the first was up"
+                    break
+            assert time.monotonic() < deadline, "the plugin did not start its second worker within 120 s"
+            time.sleep(0.005)
+        while True:
+            with plugin._lock:
+                if all(s.worker_ready for s in savers):
+                    break
+            assert time.monotonic() < deadline, "the second worker did not come up within 120 s"
+            time.sleep(0.05)
+        assert len({s.worker_pid for s in savers}) == 2
+    finally:
+        plugin.close()
 
 
 def test_the_first_saves_do_not_wait_for_the_workers_to_start(tmp_path):
