@@ -254,18 +254,20 @@ class AsyncCheckpointer:
         self, snapshot: Snapshot, step_dir: str, file_tag: str, base: Optional[IncrementalBase]
     ) -> SaveRequest:
         held = self._holds if self.config.cache_structure else None
-        known, fresh = tensors_to_send(snapshot, held)
+        send = tensors_to_send(snapshot, held)
         self._next_save_id += 1
         return SaveRequest(
             save_id=self._next_save_id,
             checkpoint_dir=step_dir,
             structure_key=snapshot.structure_key,
             options=write_options(self.config),
-            items=None if known else snapshot.items,
-            fresh_tensors=fresh,
+            items=None if send.known_structure else snapshot.items,
+            fresh_tensors=send.fresh,
             byte_items=snapshot.objects,
             file_tag=file_tag,
             base=base,
+            kept_from=held.structure_key if send.kept else "",
+            kept_tensors=send.kept,
         )
 
     def _finish_in_flight(self, blocking: bool) -> None:

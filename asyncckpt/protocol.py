@@ -103,7 +103,10 @@ class IncrementalBase:
 @dataclass
 class SaveRequest:
     """Trainer -> worker. `items` travels only with a new structure; `fresh_tensors` carries the
-    tensors the worker does not hold yet (by item position), `byte_items` every pickled object."""
+    tensors the worker does not hold yet (by item position), `byte_items` every pickled object.
+    A new structure names the tensors the worker already holds under the previous one in
+    `kept_tensors` (new position -> its position in structure `kept_from`) instead of resending
+    them: a few changed keys (Lightning's top-k paths) cost no handle transfers."""
 
     save_id: int
     checkpoint_dir: str
@@ -114,6 +117,8 @@ class SaveRequest:
     fresh_tensors: dict[int, torch.Tensor] = field(default_factory=dict)
     byte_items: dict[int, bytes] = field(default_factory=dict)
     base: Optional[IncrementalBase] = None  # incremental: link what did not change from here
+    kept_from: str = ""
+    kept_tensors: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

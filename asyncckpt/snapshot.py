@@ -247,16 +247,38 @@ class WorkerHolds:
     tensors: list
 
 
-def tensors_to_send(snapshot: Snapshot, held: Optional[WorkerHolds]) -> tuple[bool, dict[int, torch.Tensor]]:
-    """Whether the worker knows this structure, and the tensors (by position) it must be sent:
-    all of them for an unknown structure; else those always sent fresh or whose fingerprint changed."""
-    if held is None or held.structure_key != snapshot.structure_key:
-        return False, {pos: t for pos, t in enumerate(snapshot.tensors) if t is not None}
-    return True, {
-        pos: tensor
-        for pos, tensor in enumerate(snapshot.tensors)
-        if tensor is not None and (pos in snapshot.always_fresh or snapshot.fingerprints[pos] != held.fingerprints[pos])
-    }
+@dataclass
+class TensorsToSend:
+    """What a request hands over: whether the worker knows the structure, the tensors it must be
+    sent (by position), and for a new structure the positions whose tensor the worker already
+    holds under the previous one (new position -> held position)."""
+
+    known_structure: bool
+    fresh: dict[int, torch.Tensor]
+    kept: dict[int, int]
+
+
+def tensors_to_send(snapshot: Snapshot, held: Optional[WorkerHolds]) -> TensorsToSend:
+    """Send a tensor only if the worker does not hold it: always for one copied fresh on every
+    save, else when no held tensor has its fingerprint (the same structure: at its own position;
+    a new structure: at any position of the held one)."""
+    known = held is not None and held.structure_key == snapshot.structure_key
+    held_at = {} if held is None else {fp: pos for pos, fp in enumerate(held.fingerprints) if fp is not None}
+    fresh, kept = {}, {}
+    for pos, tensor in enumerate(snapshot.tensors):
+        if tensor is None:
+            continue
+        fingerprint = snapshot.fingerprints[pos]
+        if pos in snapshot.always_fresh:
+            fresh[pos] = tensor
+        elif known:
+            if fingerprint != held.fingerprints[pos]:
+                fresh[pos] = tensor
+        elif fingerprint in held_at:
+            kept[pos] = held_at[fingerprint]
+        else:
+            fresh[pos] = tensor
+    return TensorsToSend(known, fresh, kept)
 
 
 def copies_warning(snapshot: Snapshot) -> Optional[str]:

@@ -90,3 +90,33 @@ def test_budgeted_files_are_identical_to_unbudgeted_and_memory_is_lower(tmp_path
         assert files["whole"][name] == files["budget"][name], name
     assert extras["whole"] > STATE_BYTES * 0.9  # the measurement sees a whole-state slab
     assert extras["budget"] < extras["whole"] / 2
+
+
+def test_the_staging_slab_has_room_for_a_few_new_small_tensors_but_not_beyond_the_budget():
+    """A new slab's pages are faulted in on the trainer's blocked time, so a state that gains a
+    scalar (Lightning's top-k scores) keeps its slab; a budgeted slab stays within the budget."""
+    from asyncckpt.protocol import TENSOR, ItemIndex, ItemSpec
+    from asyncckpt_worker.staging import StagingPool
+
+    def specs(*numels):
+        return [ItemSpec(ItemIndex(f"t{n}"), TENSOR, torch.float32, (numel,)) for n, numel in enumerate(numels)]
+
+    pool = StagingPool()
+    try:
+        items = specs(4 * MiB, MiB)  # 20 MiB
+        pool.layout(items, [range(2)])
+        generation, capacity = pool.generation, pool.capacity
+        grown = specs(4 * MiB, MiB, 1, 1, 1)
+        views = pool.layout(grown, [range(5)])
+        assert (pool.generation, pool.capacity) == (generation, capacity)
+        assert [v.shape for v in views] == [(4 * MiB,), (MiB,), (1,), (1,), (1,)]
+        pool.layout(specs(8 * MiB), [range(1)])  # twice the size: a new, larger slab
+        assert pool.generation == generation + 1 and pool.capacity >= 32 * MiB
+    finally:
+        pool.close()
+    budgeted = StagingPool()
+    try:
+        budgeted.layout(specs(MiB // 4, MiB // 4), [[0], [1]], reserve=MiB, budget=MiB)
+        assert budgeted.capacity == MiB
+    finally:
+        budgeted.close()

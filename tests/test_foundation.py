@@ -115,6 +115,34 @@ def test_reallocated_tensor_is_resent_never_stale(ckpt_root):
     assert torch.equal(target["model"]["b"], torch.full((4,), 2.0))
 
 
+def test_a_new_structure_resends_only_the_tensors_the_worker_does_not_hold(ckpt_root):
+    """Lightning's checkpoint names its top-k paths in keys, so every event is a new structure:
+    the worker keeps the tensors it holds (under any key) and gets only the new ones."""
+    weights = {"w": torch.full((256,), 1.0), "b": torch.full((4,), 2.0)}
+    with AsyncCheckpointer(ckpt_root) as ckpt:
+        ckpt.schedule_save({"model": weights, "top_k": {"a.ckpt": torch.tensor(0.5)}}, step=1)
+        [first] = ckpt.finalize(blocking=True)
+        weights["w"].fill_(3.0)  # changed in place: held, its new values are saved
+        top_k = {"a.ckpt": torch.tensor(0.5), "b.ckpt": torch.tensor(0.25)}
+        ckpt.schedule_save({"model": weights, "top_k": top_k}, step=2)
+        [grown] = ckpt.finalize(blocking=True)
+        renamed = {"weight": weights["w"], "bias": torch.full((4,), 7.0)}  # a held tensor under another key
+        ckpt.schedule_save({"model": renamed}, step=3)
+        [moved] = ckpt.finalize(blocking=True)
+    assert first.tensors_sent == 3 and not first.cache_hit
+    assert grown.tensors_sent == 2 and not grown.cache_hit  # the two scores are new tensors; w and b are held
+    assert moved.tensors_sent == 1  # the new bias
+    expected = {"model": {"w": torch.full((256,), 3.0), "b": torch.full((4,), 2.0)},
+                "top_k": {"a.ckpt": torch.tensor(0.5), "b.ckpt": torch.tensor(0.25)}}
+    target = zeros_like_state(expected)
+    load(target, step_path(ckpt_root, 2))
+    assert_state_equal(target, expected)
+    target = {"model": {"weight": torch.zeros(256), "bias": torch.zeros(4)}}
+    load(target, step_path(ckpt_root, 3))
+    assert torch.equal(target["model"]["weight"], torch.full((256,), 3.0))
+    assert torch.equal(target["model"]["bias"], torch.full((4,), 7.0))
+
+
 def test_numpy_backed_tensors_are_copied_each_save(ckpt_root):
     import numpy as np
 

@@ -1,6 +1,7 @@
 """The worker's structure cache: what the trainer sent for the current plan structure.
 
-The trainer sends the item list and every tensor with a new structure key; afterwards only the
+The trainer sends the item list with a new structure key, and every tensor the worker does not
+hold yet (those it holds under the previous structure are named by position); afterwards only the
 key, plus the tensors it reallocated. The cache keeps one structure: a new key replaces it.
 """
 
@@ -37,10 +38,15 @@ class StructureCache:
         structure was already known."""
         hit = request.items is None
         if not hit:
-            self.current = None  # release the old handles before taking new ones
-            self.current = CachedStructure(
-                key=request.structure_key, items=request.items, sources=[None] * len(request.items)
-            )
+            previous, self.current = self.current, None
+            if request.kept_tensors and (previous is None or previous.key != request.kept_from):
+                held = previous.key[:12] if previous else "nothing"
+                raise CacheMiss(f"structure {request.kept_from[:12]} to keep tensors from is not cached (worker holds {held})")
+            sources: list[Optional[torch.Tensor]] = [None] * len(request.items)
+            for pos, held_pos in request.kept_tensors.items():
+                sources[pos] = previous.sources[held_pos]
+            del previous  # the handles not kept are released here
+            self.current = CachedStructure(key=request.structure_key, items=request.items, sources=sources)
         entry = self.current
         if entry is None or entry.key != request.structure_key:
             held = entry.key[:12] if entry else "nothing"

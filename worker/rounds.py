@@ -285,7 +285,7 @@ def _views(entry: CachedStructure, pool: StagingPool, rounds: list[Round], budge
     reserve = budget if budget is not None and any(r.streamed for r in rounds) else 0
     key = (groups, reserve)
     if entry.layout_key != key or entry.views_generation != pool.generation or not entry.views:
-        entry.views = pool.layout(entry.items, groups, reserve)
+        entry.views = pool.layout(entry.items, groups, reserve, budget)
         entry.views_generation = pool.generation
         entry.layout_key = key
     return entry.views
