@@ -9,7 +9,10 @@ checkpoints run beside it (the median over `--rounds` such pairs); the time the 
 was blocked per save (`trainer.save_checkpoint` as ModelCheckpoint calls it: gathering the state
 and handing it to the IO plugin): the first event's two saves apart, then mean and max; and the
 CPU time the fit (trainer and workers) used beyond the fit without checkpoints, a figure this
-box's drifting speed hardly touches.
+box's drifting speed hardly touches. Beside the paired overhead, the in-fit overhead needs no
+pair: each fit's time beyond its own steps at their median speed (StepClock), less that excess
+in the fit without checkpoints; the box's speed drifts over minutes, and this compares a fit with
+itself. It counts everything a save adds to the fit except a slowdown of every step alike.
 
 Two configurations run, each with every method side by side: the short one (40 steps, an event
 every 10: a save every ~0.7 s of training, more checkpoint than training: no IO fits in 5% of
@@ -65,8 +68,9 @@ def fit(method: str, args, steps: int, every: int, root: str) -> dict:
     loader = DataLoader(TensorDataset(x, x[:, :8].sin()), batch_size=args.batch, shuffle=False)
     plugins = {"lightning-async": [LightningAsyncIO], "asyncckpt": [AsyncCheckpointIO]}.get(method, [])
     plugins = [make() for make in plugins]
-    callbacks = [] if method == "none" else [ModelCheckpoint(
-        dirpath=os.path.join(root, method), monitor="train_loss", save_top_k=2, every_n_train_steps=every, save_last=True)]
+    clock = StepClock()
+    callbacks = [clock] + ([] if method == "none" else [ModelCheckpoint(
+        dirpath=os.path.join(root, method), monitor="train_loss", save_top_k=2, every_n_train_steps=every, save_last=True)])
     trainer = L.Trainer(
         accelerator="cpu", devices=1, max_steps=steps, plugins=plugins, callbacks=callbacks,
         enable_checkpointing=method != "none", logger=False, enable_progress_bar=False,
@@ -94,8 +98,22 @@ def fit(method: str, args, steps: int, every: int, root: str) -> dict:
     cpu = _cpu_s() - cpu_before
     state_mb = sum(p.numel() * p.element_size() for p in model.parameters()) * 3 / 1e6  # weights + Adam's 2 moments
     # the first event's two saves are reported apart (first use of the IO)
+    step_s = statistics.median(b - a for a, b in zip(clock.starts, clock.starts[1:]))
     return {"method": method, "fit_s": total, "cpu_s": cpu, "saves": len(blocked), "state_mb": state_mb,
-            "blocked_first_event_s": blocked[:2], "blocked_steady_s": blocked[2:]}
+            "blocked_first_event_s": blocked[:2], "blocked_steady_s": blocked[2:],
+            "median_step_s": step_s, "excess": total / (steps * step_s) - 1}
+
+
+class StepClock(L.Callback):
+    """When each training step starts. A fit's median step (start to start) is its speed with no
+    checkpoint near, on this box at that minute; what the fit took beyond `steps` such steps is
+    its excess (set-up, blocked saves, steps slowed by background work, the final wait)."""
+
+    def __init__(self) -> None:
+        self.starts: list[float] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.starts.append(time.perf_counter())
 
 
 METHODS = ("none", "default", "lightning-async", "asyncckpt")
@@ -114,6 +132,7 @@ def run_config(args, steps: int, every: int, root: str) -> dict:
     median over rounds of its fit time over its own pair's fit without checkpoints."""
     runs: dict[str, list[dict]] = {m: [] for m in METHODS}
     ratios: dict[str, list[float]] = {m: [] for m in METHODS[1:]}
+    in_fit: dict[str, list[float]] = {m: [] for m in METHODS[1:]}
     for round_ in range(args.rounds):
         for method in METHODS[1:]:
             order = (method, "none") if (round_ + METHODS.index(method)) % 2 else ("none", method)
@@ -123,6 +142,7 @@ def run_config(args, steps: int, every: int, root: str) -> dict:
                 runs[which].append(pair[which])
                 shutil.rmtree(os.path.join(root, which), ignore_errors=True)
             ratios[method].append(pair[method]["fit_s"] / pair["none"]["fit_s"])
+            in_fit[method].append(pair[method]["excess"] - pair["none"]["excess"])
         print(f"  round {round_ + 1}/{args.rounds} done", flush=True)
     baseline = statistics.median(r["fit_s"] for r in runs["none"])
     baseline_cpu = statistics.median(r["cpu_s"] for r in runs["none"])
@@ -134,6 +154,7 @@ def run_config(args, steps: int, every: int, root: str) -> dict:
             "method": method, "fit_s": statistics.median(fits), "fits_s": fits, "saves": runs[method][0]["saves"],
             "overhead": statistics.median(ratios[method]) - 1,
             "overhead_range": (min(ratios[method]) - 1, max(ratios[method]) - 1),
+            "in_fit_overhead": statistics.median(in_fit[method]), "in_fit_range": (min(in_fit[method]), max(in_fit[method])),
             "extra_cpu_s": statistics.median(r["cpu_s"] for r in runs[method]) - baseline_cpu,
             "blocked_first_event_s": [statistics.median(r["blocked_first_event_s"][i] for r in runs[method])
                                       for i in range(len(runs[method][0]["blocked_first_event_s"]))],
@@ -144,12 +165,17 @@ def run_config(args, steps: int, every: int, root: str) -> dict:
           f"{every} steps ({every * step_s:.1f} s of training; 2 saves each: top-k + last); fit without checkpoints "
           f"{baseline:.2f} s (median of {len(runs['none'])}); the fit on {torch.get_num_threads()} of {os.cpu_count()} cores; "
           f"load average {os.getloadavg()[0]:.1f}")
-    print(f"{'method':<16} {'fit s':>8} {'overhead':>9} {'(min..max)':>16} {'extra CPU s':>12} {'saves':>6} {'blocked 1st event':>18} "
-          f"{'blocked/save after':>19} {'max':>8}")
+    none_excess = statistics.median(r["excess"] for r in runs["none"])
+    print(f"in-fit overhead: the fit's time beyond {steps} of its own median steps, less the same excess of its pair's "
+          f"fit without checkpoints (median {none_excess:.1%}); it does not drift with the box's speed")
+    print(f"{'method':<16} {'fit s':>8} {'overhead':>9} {'(min..max)':>16} {'in-fit':>7} {'(min..max)':>16} {'extra CPU s':>12} "
+          f"{'saves':>6} {'blocked 1st event':>18} {'blocked/save after':>19} {'max':>8}")
     for r in table:
         first = " + ".join(f"{b:.3f}" for b in r["blocked_first_event_s"])
         low, high = r["overhead_range"]
-        print(f"{r['method']:<16} {r['fit_s']:>8.2f} {r['overhead']:>8.1%} {f'({low:.1%}..{high:.1%})':>16} {r['extra_cpu_s']:>12.2f} "
+        in_low, in_high = r["in_fit_range"]
+        print(f"{r['method']:<16} {r['fit_s']:>8.2f} {r['overhead']:>8.1%} {f'({low:.1%}..{high:.1%})':>16} "
+              f"{r['in_fit_overhead']:>6.1%} {f'({in_low:.1%}..{in_high:.1%})':>16} {r['extra_cpu_s']:>12.2f} "
               f"{r['saves']:>6} {first:>17}s {r['blocked_mean_s']:>18.3f}s {r['blocked_max_s']:>7.3f}s", flush=True)
     return {"steps": steps, "every": every, "baseline_fit_s": baseline, "rows": table, "runs": runs}
 
