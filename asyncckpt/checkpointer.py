@@ -16,20 +16,19 @@ import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from . import at_exit
-from .client import WorkerClient
 from .commit import RankOutcome, SaveTarget, finish_save
-from .config import CheckpointConfig, write_options
-from .errors import CheckpointError, CheckpointTimeoutError, WorkerDiedError
+from .config import CheckpointConfig
+from .errors import CheckpointError
 from .formats import new_file_tag
 from .loading import METADATA_FILE, latest_checkpoint, load, step_dir_name
 from .incremental import Continuation
 from .planning import Planning
 from .ranks import RankGroup, finalize_bound_s
 from .inflight import InFlightSave
+from .rank_worker import RankWorker
 from .report import SaveReport, publish
 from .retention import Janitor, discard_uncommitted
-from .protocol import IncrementalBase, SaveFailed, SaveRequest, Staged, WorkerSettings, WriteDone
-from .snapshot import Snapshot, WorkerHolds, copies_warning, take_snapshot, tensors_to_send
+from .snapshot import Snapshot, copies_warning, take_snapshot
 from .storage import storage_for
 
 log = logging.getLogger("asyncckpt")
@@ -60,21 +59,26 @@ class AsyncCheckpointer:
         self.root = os.fspath(root) if root is not None else None
         if self.root is not None:
             storage_for(self.root)  # an unsupported URL fails here, not at the first save
-        self.config = config
+        self._config = config
         self._group = RankGroup(process_group, config.timeout_s, no_dist=no_dist)
         self.rank = self._group.rank
         self._planning = Planning(planner_factory)
-        self._client: Optional[WorkerClient] = None
-        self._holds: Optional[WorkerHolds] = None
         self._in_flight: Optional[InFlightSave] = None
         self._committed: list[SaveReport] = []
-        self._next_save_id = 0
         self._closed = False
         self._warned_copies = False
         self._janitor = Janitor()  # retention, after each commit's verdict
         self._incremental = Continuation(config.incremental, self.rank)
         at_exit.track(self)
-        self._start_worker()  # spawn now, so the first save does not pay for the interpreter start
+        self._worker = RankWorker(config, self.rank)  # starts now, so the first save does not wait for it
+
+    @property
+    def config(self) -> CheckpointConfig:
+        return self._config
+
+    @config.setter
+    def config(self, config: CheckpointConfig) -> None:  # one configuration: this rank's worker reads it too
+        self._config = self._worker.config = config
 
     # public API ------------------------------------------------------------------------------
     def schedule_save(
@@ -144,14 +148,8 @@ class AsyncCheckpointer:
         try:
             snapshot = take_snapshot(planned)
             self._warn_about_copies(snapshot)
-            self._ensure_worker()
-            request = self._request_for(snapshot, step_dir, file_tag, base)
-            if snapshot.has_cuda:
-                torch.cuda.current_stream().synchronize()  # the worker must see finished values
-            self._client.send(request, self.config.timeout_s)
-            flight.save_id, flight.tensors_sent = request.save_id, len(request.fresh_tensors)
-            flight.deadline = time.monotonic() + self._client.allowance(self.config.timeout_s)  # start-up
-            self._holds = WorkerHolds(snapshot.structure_key, snapshot.fingerprints, snapshot.tensors)
+            self._worker.ensure_alive()
+            self._worker.send(flight, snapshot, base)
         except Exception as exc:  # e.g. an entry that cannot be resolved or shared
             if self._group.size == 1:
                 discard_uncommitted(storage, step_dir, file_tag, owns_dir)
@@ -167,19 +165,11 @@ class AsyncCheckpointer:
         flight = self._in_flight
         if flight is None or flight.staged is not None or flight.error is not None:
             return
-        try:
-            message = self._client.take(flight.save_id, (Staged, SaveFailed), self.config.timeout_s)
-        except (CheckpointTimeoutError, WorkerDiedError) as exc:
-            self._reset_worker(kill=True)
-            message = SaveFailed(flight.save_id, "staging", str(exc))
-        if isinstance(message, SaveFailed):
-            flight.error = self._describe_failure(message)
-            if self._group.size == 1:  # one rank: say it now; several: every rank says it at finalize
-                self._in_flight = None
-                discard_uncommitted(storage_for(flight.step_dir), flight.step_dir, flight.file_tag, flight.owns_dir)
-                raise CheckpointError(f"rank {self.rank} {flight.label}: {flight.error}")
-            return
-        self._mark_staged(flight, message)
+        self._worker.await_staged(flight)
+        if flight.error is not None and self._group.size == 1:  # one rank: say it now; several: at finalize
+            self._in_flight = None
+            discard_uncommitted(storage_for(flight.step_dir), flight.step_dir, flight.file_tag, flight.owns_dir)
+            raise CheckpointError(f"rank {self.rank} {flight.label}: {flight.error}")
 
     def guard(self, optimizer: torch.optim.Optimizer):
         """Make `optimizer.step()` wait for staging, so lazy saves cannot see later values.
@@ -217,14 +207,14 @@ class AsyncCheckpointer:
 
     @property
     def worker_ready(self) -> bool:  # the worker has started up: a save waits for no start-up
-        return self._client is not None and self._client.poll_ready()
+        return self._worker.ready
 
     def wait_tidy(self) -> bool:  # files that commits made obsolete are gone (waits at most timeout_s)
         return self._janitor.wait(self.config.timeout_s)
 
     @property
     def worker_pid(self) -> Optional[int]:
-        return self._client.pid if self._client is not None else None
+        return self._worker.pid
 
     planning_counters = property(lambda self: self._planning.counters)
 
@@ -239,9 +229,7 @@ class AsyncCheckpointer:
             self._closed = True
             at_exit.forget(self)
             self._janitor.close(self.config.timeout_s)
-            if self._client is not None:
-                self._client.stop()
-                self._client = None
+            self._worker.stop()
 
     def __enter__(self) -> "AsyncCheckpointer":
         return self
@@ -250,37 +238,17 @@ class AsyncCheckpointer:
         self.close()
 
     # save path -------------------------------------------------------------------------------
-    def _request_for(
-        self, snapshot: Snapshot, step_dir: str, file_tag: str, base: Optional[IncrementalBase]
-    ) -> SaveRequest:
-        held = self._holds if self.config.cache_structure else None
-        send = tensors_to_send(snapshot, held)
-        self._next_save_id += 1
-        return SaveRequest(
-            save_id=self._next_save_id,
-            checkpoint_dir=step_dir,
-            structure_key=snapshot.structure_key,
-            options=write_options(self.config),
-            items=None if send.known_structure else snapshot.items,
-            fresh_tensors=send.fresh,
-            byte_items=snapshot.objects,
-            file_tag=file_tag,
-            base=base,
-            kept_from=held.structure_key if send.kept else "",
-            kept_tensors=send.kept,
-        )
-
     def _finish_in_flight(self, blocking: bool) -> None:
         flight = self._in_flight
         if flight.outcome is None:
-            flight.outcome = self._local_outcome(flight, blocking)
+            flight.outcome = self._worker.outcome(flight, blocking)
         ident = -1 if flight.step is None else flight.step
         bound, pending = finalize_bound_s(self.config.timeout_s), flight.outcome is None
         not_done, gave_up = self._group.agree_finished(pending, blocking, ident, bound)
         if not_done and not gave_up:
             return
         if flight.outcome is None:  # another rank's blocking finalize waited its bound for this one
-            self._reset_worker(kill=True)
+            self._worker.reset(kill=True)
             flight.outcome = RankOutcome(self.rank, error="unfinished when another rank's finalize stopped waiting")
         target = SaveTarget(
             self.root, flight.step, flight.name, flight.step_dir, flight.metadata, flight.file_tag, flight.owns_dir,
@@ -297,49 +265,6 @@ class AsyncCheckpointer:
         report = flight.report(self.rank, verdict, flight.outcome, self._group.collectives)
         self._committed.append(report)
         publish(report, self.config.metrics_path, self.config.on_commit)
-
-    def _local_outcome(self, flight: InFlightSave, blocking: bool) -> Optional[RankOutcome]:
-        """This rank's part: None while its worker still works; never raises for a failed save
-        (the failure must reach every rank through the collective verdict)."""
-        if flight.error is not None:
-            return RankOutcome(self.rank, error=flight.error)
-        timeout = self.config.timeout_s if blocking else 0
-        try:
-            if flight.staged is None:
-                message = self._client.take(flight.save_id, (Staged, SaveFailed), timeout)
-                if message is None:
-                    return self._unless_overdue(flight, "Staged")
-                if isinstance(message, SaveFailed):
-                    return RankOutcome(self.rank, error=self._describe_failure(message))
-                self._mark_staged(flight, message)
-            message = self._client.take(flight.save_id, (WriteDone, SaveFailed), timeout)
-            if message is None:
-                return self._unless_overdue(flight, "WriteDone")
-        except (CheckpointTimeoutError, WorkerDiedError) as exc:
-            self._reset_worker(kill=True)  # it may still be writing; a fresh one serves the next save
-            return RankOutcome(self.rank, error=str(exc))
-        if isinstance(message, SaveFailed):
-            return RankOutcome(self.rank, error=self._describe_failure(message))
-        return RankOutcome(self.rank, written=message)
-
-    def _mark_staged(self, flight: InFlightSave, staged: Staged) -> None:
-        flight.staged = staged
-        flight.deadline = time.monotonic() + self.config.timeout_s  # the writes get their own bound
-
-    def _unless_overdue(self, flight: InFlightSave, awaited: str) -> None:
-        """A non-blocking poll found no answer: fine, unless the save is past its bound."""
-        if time.monotonic() > flight.deadline:
-            raise CheckpointTimeoutError(
-                f"rank {self.rank}: no {awaited} from worker pid {self.worker_pid} within "
-                f"{self.config.timeout_s:.1f}s; killed it"
-            )
-        return None
-
-    def _describe_failure(self, failed: SaveFailed) -> str:
-        if failed.phase in ("cache", "request"):
-            self._holds = None  # it holds nothing of this request: resend everything next time
-        where = f" ({failed.path})" if failed.path else ""
-        return f"{failed.phase} failed{where}: {failed.message}"
 
     def _target(self, step: Optional[int], checkpoint_dir: Optional[str]) -> tuple[Optional[str], str]:
         """(step directory name or None, the directory a save writes), after checking the arguments."""
@@ -376,33 +301,6 @@ class AsyncCheckpointer:
         if self._group.size == 1 and problem is not None:
             raise problem
         raise CheckpointError(f"{label} not started: {causes}")
-
-    # worker --------------------------------------------------------------------------------------
-    def _start_worker(self) -> None:
-        cuda_device = torch.cuda.current_device() if torch.cuda.is_available() else None
-        settings = WorkerSettings(
-            rank=self.rank,
-            parent_pid=os.getpid(),
-            log_level=logging.getLogger("asyncckpt").getEffectiveLevel(),
-            nice=self.config.worker_nice,
-            ionice=self.config.worker_ionice,
-            cuda_device=cuda_device,
-        )
-        self._client = WorkerClient(settings)
-        self._client.start()
-        self._holds = None
-
-    def _ensure_worker(self) -> None:
-        if self._client is None or not self._client.is_alive():
-            if self._client is not None:
-                log.warning("checkpoint worker pid %s is gone; starting a new one", self._client.pid)
-                self._client.kill()
-            self._start_worker()
-
-    def _reset_worker(self, kill: bool) -> None:
-        if self._client is not None:
-            self._client.kill() if kill else self._client.stop()
-        self._client, self._holds = None, None
 
     def _warn_about_copies(self, snapshot: Snapshot) -> None:
         """Once: tensors that cannot be shared in place cost a copy on every save."""

@@ -298,14 +298,14 @@ def test_a_request_the_worker_cannot_read_fails_that_save_only(ckpt_root, monkey
         ckpt.schedule_save(state, step=1)
         ckpt.finalize(blocking=True)
         pid = ckpt.worker_pid
-        build_request = ckpt._request_for
+        build_request = ckpt._worker.request_for
 
         def unreadable_request(*args):
             request = build_request(*args)
             request.poison = _FailsToUnpickle()
             return request
 
-        monkeypatch.setattr(ckpt, "_request_for", unreadable_request)
+        monkeypatch.setattr(ckpt._worker, "request_for", unreadable_request)
         state["weights"]["t0"] = state["weights"]["t0"] + 1.0  # reallocated: only this request carries it
         with pytest.raises(CheckpointError, match=r"request failed: could not read the save request.*not a number"):
             ckpt.schedule_save(state, step=2)

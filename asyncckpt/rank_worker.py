@@ -1,0 +1,163 @@
+"""RankWorker: this rank's persistent worker as the checkpointer sees it.
+
+It starts the worker (and a new one after a crash), remembers which structure and tensors the
+worker holds so a request carries only what is new, and turns the worker's answers into a
+RankOutcome within the save's bounds: a dead or silent worker becomes an error, never a hang.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Optional
+
+import torch
+
+from .client import WorkerClient
+from .commit import RankOutcome
+from .config import CheckpointConfig, write_options
+from .errors import CheckpointTimeoutError, WorkerDiedError
+from .inflight import InFlightSave
+from .protocol import IncrementalBase, SaveFailed, SaveRequest, Staged, WorkerSettings, WriteDone
+from .snapshot import Snapshot, WorkerHolds, tensors_to_send
+
+log = logging.getLogger("asyncckpt")
+
+
+class RankWorker:
+    def __init__(self, config: CheckpointConfig, rank: int) -> None:
+        self.config = config
+        self.rank = rank
+        self._client: Optional[WorkerClient] = None
+        self._holds: Optional[WorkerHolds] = None
+        self._next_save_id = 0
+        self.start()  # spawn now, so the first save does not pay for the interpreter start
+
+    @property
+    def pid(self) -> Optional[int]:
+        return self._client.pid if self._client is not None else None
+
+    @property
+    def ready(self) -> bool:  # started up: a save waits for no start-up
+        return self._client is not None and self._client.poll_ready()
+
+    def start(self) -> None:
+        cuda_device = torch.cuda.current_device() if torch.cuda.is_available() else None
+        settings = WorkerSettings(
+            rank=self.rank,
+            parent_pid=os.getpid(),
+            log_level=logging.getLogger("asyncckpt").getEffectiveLevel(),
+            nice=self.config.worker_nice,
+            ionice=self.config.worker_ionice,
+            cuda_device=cuda_device,
+        )
+        self._client = WorkerClient(settings)
+        self._client.start()
+        self._holds = None
+
+    def ensure_alive(self) -> None:
+        """A worker that is gone (crashed, killed, or reset after a failure) is replaced."""
+        if self._client is None or not self._client.is_alive():
+            if self._client is not None:
+                log.warning("checkpoint worker pid %s is gone; starting a new one", self._client.pid)
+                self._client.kill()
+            self.start()
+
+    def reset(self, kill: bool) -> None:
+        """Let go of the worker (killed, or asked to exit); the next save starts a new one."""
+        if self._client is not None:
+            self._client.kill() if kill else self._client.stop()
+        self._client, self._holds = None, None
+
+    def stop(self) -> None:
+        if self._client is not None:
+            self._client.stop()
+            self._client = None
+
+    # one save ------------------------------------------------------------------------------------
+    def send(self, flight: InFlightSave, snapshot: Snapshot, base: Optional[IncrementalBase]) -> None:
+        """Hand the save to the worker: the structure key, and only the tensors it does not hold."""
+        request = self.request_for(snapshot, flight.step_dir, flight.file_tag, base)
+        if snapshot.has_cuda:
+            torch.cuda.current_stream().synchronize()  # the worker must see finished values
+        self._client.send(request, self.config.timeout_s)
+        flight.save_id, flight.tensors_sent = request.save_id, len(request.fresh_tensors)
+        flight.deadline = time.monotonic() + self._client.allowance(self.config.timeout_s)  # start-up
+        self._holds = WorkerHolds(snapshot.structure_key, snapshot.fingerprints, snapshot.tensors)
+
+    def request_for(
+        self, snapshot: Snapshot, step_dir: str, file_tag: str, base: Optional[IncrementalBase]
+    ) -> SaveRequest:
+        held = self._holds if self.config.cache_structure else None
+        send = tensors_to_send(snapshot, held)
+        self._next_save_id += 1
+        return SaveRequest(
+            save_id=self._next_save_id,
+            checkpoint_dir=step_dir,
+            structure_key=snapshot.structure_key,
+            options=write_options(self.config),
+            items=None if send.known_structure else snapshot.items,
+            fresh_tensors=send.fresh,
+            byte_items=snapshot.objects,
+            file_tag=file_tag,
+            base=base,
+            kept_from=held.structure_key if send.kept else "",
+            kept_tensors=send.kept,
+        )
+
+    def await_staged(self, flight: InFlightSave) -> None:
+        """Block (at most timeout_s) until the worker has copied the save; a failure lands in
+        `flight.error`."""
+        try:
+            message = self._client.take(flight.save_id, (Staged, SaveFailed), self.config.timeout_s)
+        except (CheckpointTimeoutError, WorkerDiedError) as exc:
+            self.reset(kill=True)
+            message = SaveFailed(flight.save_id, "staging", str(exc))
+        if isinstance(message, SaveFailed):
+            flight.error = self._describe_failure(message)
+        else:
+            self._mark_staged(flight, message)
+
+    def outcome(self, flight: InFlightSave, blocking: bool) -> Optional[RankOutcome]:
+        """This rank's part of the save: None while its worker still works; never raises for a
+        failed save (the failure must reach every rank through the collective verdict)."""
+        if flight.error is not None:
+            return RankOutcome(self.rank, error=flight.error)
+        timeout = self.config.timeout_s if blocking else 0
+        try:
+            if flight.staged is None:
+                message = self._client.take(flight.save_id, (Staged, SaveFailed), timeout)
+                if message is None:
+                    return self._unless_overdue(flight, "Staged")
+                if isinstance(message, SaveFailed):
+                    return RankOutcome(self.rank, error=self._describe_failure(message))
+                self._mark_staged(flight, message)
+            message = self._client.take(flight.save_id, (WriteDone, SaveFailed), timeout)
+            if message is None:
+                return self._unless_overdue(flight, "WriteDone")
+        except (CheckpointTimeoutError, WorkerDiedError) as exc:
+            self.reset(kill=True)  # it may still be writing; a fresh one serves the next save
+            return RankOutcome(self.rank, error=str(exc))
+        if isinstance(message, SaveFailed):
+            return RankOutcome(self.rank, error=self._describe_failure(message))
+        return RankOutcome(self.rank, written=message)
+
+    def _mark_staged(self, flight: InFlightSave, staged: Staged) -> None:
+        flight.staged = staged
+        flight.deadline = time.monotonic() + self.config.timeout_s  # the writes get their own bound
+
+    def _unless_overdue(self, flight: InFlightSave, awaited: str) -> None:
+        """A non-blocking poll found no answer: fine, unless the save is past its bound."""
+        if time.monotonic() > flight.deadline:
+            raise CheckpointTimeoutError(
+                f"rank {self.rank}: no {awaited} from worker pid {self.pid} within "
+                f"{self.config.timeout_s:.1f}s; killed it"
+            )
+        return None
+
+    def _describe_failure(self, failed: SaveFailed) -> str:
+        if failed.phase in ("cache", "request"):
+            self._holds = None  # it holds nothing of this request: resend everything next time
+        where = f" ({failed.path})" if failed.path else ""
+        return f"{failed.phase} failed{where}: {failed.message}"
