@@ -28,6 +28,7 @@ from .inflight import InFlightSave
 from .rank_worker import RankWorker
 from .report import SaveReport, publish
 from .retention import Janitor, discard_uncommitted
+from .protocol import CACHE_SLOTS
 from .snapshot import Snapshot, copies_warning, take_snapshot
 from .storage import storage_for
 
@@ -88,6 +89,7 @@ class AsyncCheckpointer:
         *,
         checkpoint_dir: Optional[str] = None,
         wait: bool = True,
+        cache_slot: int = 0,
     ) -> None:
         """Snapshot `state_dict` as of now and write it in the background: as `ROOT/step_N` for
         `step` (then `latest` moves and keep_last applies), or into `checkpoint_dir` when given
@@ -98,11 +100,16 @@ class AsyncCheckpointer:
         the state must not change before `wait_staged()` (or the `guard` hook) returns.
         `wait=False` returns without waiting for staging in eager mode too: for a state nobody
         changes afterwards (a private copy), e.g. while a fresh worker is still starting.
+        `cache_slot` (0 or 1): the worker keeps one structure and its tensors cached per slot; a
+        caller whose saves alternate between two sets of tensors (its model's, a held copy of
+        them) gives each set its own slot, and neither is sent again.
         With several ranks every rank must call this at the same point."""
         self._check_open()
         name, step_dir = self._target(step, checkpoint_dir)
         if not isinstance(state_dict, dict):
             raise TypeError(f"state_dict must be a dict, not {type(state_dict).__name__}")
+        if cache_slot not in range(CACHE_SLOTS) or type(cache_slot) is not int:
+            raise ValueError(f"cache_slot must be an int in 0..{CACHE_SLOTS - 1}, not {cache_slot!r}")
         started = time.perf_counter()
         collectives_before = self._group.collectives
         if self._in_flight is not None:
@@ -149,7 +156,7 @@ class AsyncCheckpointer:
             snapshot = take_snapshot(planned)
             self._warn_about_copies(snapshot)
             self._worker.ensure_alive()
-            self._worker.send(flight, snapshot, base)
+            self._worker.send(flight, snapshot, base, cache_slot)
         except Exception as exc:  # e.g. an entry that cannot be resolved or shared
             if self._group.size == 1:
                 discard_uncommitted(storage, step_dir, file_tag, owns_dir)
@@ -284,11 +291,10 @@ class AsyncCheckpointer:
         return self._in_flight.step_dir if self._in_flight is not None else None
 
     @property
-    def base_dirs(self) -> set[str]:
-        """Incremental: the checkpoints whose files the save in flight and the next save reuse
-        (deleting one of them meanwhile only costs those saves their reuse)."""
-        in_flight = self._in_flight.base_dir if self._in_flight is not None else None
-        return {self._incremental.base_dir, in_flight} - {None}
+    def in_flight_base_dir(self) -> Optional[str]:
+        """Incremental: the checkpoint whose files the save in flight reuses (None: none). Deleting
+        it meanwhile would only cost that save its reuse; waiting for the save keeps the reuse."""
+        return self._in_flight.base_dir if self._in_flight is not None else None
 
     def _raise_agreed_failure(self, problem: Optional[Exception], label: str, step_dir: str, owns_dir: bool) -> None:
         """Some rank could not start the save: every rank raises, naming the ranks and causes.

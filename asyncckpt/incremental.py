@@ -20,33 +20,41 @@ log = logging.getLogger("asyncckpt")
 
 
 class Continuation:
-    """One checkpointer's incremental state: the committed save its next save reuses files of."""
+    """One checkpointer's incremental state: the committed saves its next save may reuse files of.
+
+    It keeps the last BASES committed directories: a save into one of them re-saves it in place
+    (Lightning's last.ckpt, saved right after each top-k checkpoint); a save anywhere else
+    continues from the newest."""
+
+    BASES = 2
 
     def __init__(self, enabled: bool, rank: int) -> None:
         self.enabled, self.rank = enabled, rank
-        self.base: Optional[IncrementalBase] = None
+        self.bases: list[IncrementalBase] = []  # newest first, one per directory
         self._said: set[str] = set()  # why saves were full (each reason logged once)
 
     @property
-    def base_dir(self) -> Optional[str]:
-        return self.base.checkpoint_dir if self.base is not None else None
+    def base_dirs(self) -> set[str]:
+        return {base.checkpoint_dir for base in self.bases}
 
     def base_for(self, step_dir: str, file_tag: str) -> Optional[IncrementalBase]:
         """The base of a save into `step_dir` (`file_tag` set: it replaces a committed checkpoint
         there), or None for a full save, the reason logged once."""
         if not self.enabled:
             return None
+        own = [base for base in self.bases if base.checkpoint_dir == step_dir]
+        base = own[0] if own else (self.bases[0] if self.bases else None)
         reason = None
         if not storage_for(step_dir).supports_links:
             reason = "its storage can neither link nor copy files server-side"
-        elif self.base is None:
+        elif base is None:
             reason = "no committed checkpoint of this run or resumed from yet"
-        elif file_tag and self.base.checkpoint_dir != step_dir:
+        elif file_tag and base.checkpoint_dir != step_dir:
             reason = "it replaces a committed checkpoint other than the one it would continue from"
-        elif self.base.checkpoint_dir == step_dir and current_save_id(step_dir) != self.base.save_id:
+        elif base.checkpoint_dir == step_dir and current_save_id(step_dir) != base.save_id:
             reason = "its directory was saved again by someone else since"
         if reason is None:
-            return self.base
+            return base
         if reason not in self._said:
             self._said.add(reason)
             log.info("incremental save to %s is a full save: %s", step_dir, reason)
@@ -54,11 +62,16 @@ class Continuation:
 
     def committed(self, step_dir: str, items: tuple[ItemWritten, ...], save_id: Optional[str]) -> None:
         if self.enabled:
-            self.base = IncrementalBase(step_dir, items, save_id)
+            self._newest(IncrementalBase(step_dir, items, save_id))
 
     def resumed(self, path: str) -> None:
         if self.enabled:
-            self.base = base_from_checkpoint(path, self.rank)
+            base = base_from_checkpoint(path, self.rank)
+            self.bases = [] if base is None else [base]
+
+    def _newest(self, base: IncrementalBase) -> None:
+        others = [b for b in self.bases if b.checkpoint_dir != base.checkpoint_dir]
+        self.bases = [base, *others][: self.BASES]
 
 
 def base_from_checkpoint(path: str, rank: int) -> Optional[IncrementalBase]:

@@ -87,6 +87,7 @@ class WriteOptions:
 
 
 WORKER_DEADLINE_SHARE = 0.9
+CACHE_SLOTS = 2  # structures a worker keeps cached at once (SaveRequest.slot)
 
 
 @dataclass(frozen=True)
@@ -106,7 +107,9 @@ class SaveRequest:
     tensors the worker does not hold yet (by item position), `byte_items` every pickled object.
     A new structure names the tensors the worker already holds under the previous one in
     `kept_tensors` (new position -> its position in structure `kept_from`) instead of resending
-    them: a few changed keys (Lightning's top-k paths) cost no handle transfers."""
+    them: a few changed keys (Lightning's top-k paths) cost no handle transfers. The worker keeps
+    one structure per `slot` (CACHE_SLOTS of them): a trainer whose saves alternate between two
+    sets of tensors (its model's, and a held copy of them) keeps both cached."""
 
     save_id: int
     checkpoint_dir: str
@@ -119,6 +122,7 @@ class SaveRequest:
     base: Optional[IncrementalBase] = None  # incremental: link what did not change from here
     kept_from: str = ""
     kept_tensors: dict[int, int] = field(default_factory=dict)
+    slot: int = 0
 
 
 @dataclass(frozen=True)

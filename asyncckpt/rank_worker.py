@@ -1,7 +1,7 @@
 """RankWorker: this rank's persistent worker as the checkpointer sees it.
 
-It starts the worker (and a new one after a crash), remembers which structure and tensors the
-worker holds so a request carries only what is new, and turns the worker's answers into a
+It starts the worker (and a new one after a crash), remembers which structures and tensors the
+worker holds (one per cache slot) so a request carries only what is new, and turns the worker's answers into a
 RankOutcome within the save's bounds: a dead or silent worker becomes an error, never a hang.
 """
 
@@ -19,7 +19,7 @@ from .commit import RankOutcome
 from .config import CheckpointConfig, write_options
 from .errors import CheckpointTimeoutError, WorkerDiedError
 from .inflight import InFlightSave
-from .protocol import IncrementalBase, SaveFailed, SaveRequest, Staged, WorkerSettings, WriteDone
+from .protocol import CACHE_SLOTS, IncrementalBase, SaveFailed, SaveRequest, Staged, WorkerSettings, WriteDone
 from .snapshot import Snapshot, WorkerHolds, tensors_to_send
 
 log = logging.getLogger("asyncckpt")
@@ -30,7 +30,7 @@ class RankWorker:
         self.config = config
         self.rank = rank
         self._client: Optional[WorkerClient] = None
-        self._holds: Optional[WorkerHolds] = None
+        self._holds: list[Optional[WorkerHolds]] = [None] * CACHE_SLOTS
         self._next_save_id = 0
         self.start()  # spawn now, so the first save does not pay for the interpreter start
 
@@ -54,7 +54,7 @@ class RankWorker:
         )
         self._client = WorkerClient(settings)
         self._client.start()
-        self._holds = None
+        self._holds = [None] * CACHE_SLOTS
 
     def ensure_alive(self) -> None:
         """A worker that is gone (crashed, killed, or reset after a failure) is replaced."""
@@ -68,7 +68,7 @@ class RankWorker:
         """Let go of the worker (killed, or asked to exit); the next save starts a new one."""
         if self._client is not None:
             self._client.kill() if kill else self._client.stop()
-        self._client, self._holds = None, None
+        self._client, self._holds = None, [None] * CACHE_SLOTS
 
     def stop(self) -> None:
         if self._client is not None:
@@ -76,20 +76,21 @@ class RankWorker:
             self._client = None
 
     # one save ------------------------------------------------------------------------------------
-    def send(self, flight: InFlightSave, snapshot: Snapshot, base: Optional[IncrementalBase]) -> None:
-        """Hand the save to the worker: the structure key, and only the tensors it does not hold."""
-        request = self.request_for(snapshot, flight.step_dir, flight.file_tag, base)
+    def send(self, flight: InFlightSave, snapshot: Snapshot, base: Optional[IncrementalBase], slot: int = 0) -> None:
+        """Hand the save to the worker: the structure key, and only the tensors it does not hold
+        (in cache `slot`)."""
+        request = self.request_for(snapshot, flight.step_dir, flight.file_tag, base, slot)
         if snapshot.has_cuda:
             torch.cuda.current_stream().synchronize()  # the worker must see finished values
         self._client.send(request, self.config.timeout_s)
         flight.save_id, flight.tensors_sent = request.save_id, len(request.fresh_tensors)
         flight.deadline = time.monotonic() + self._client.allowance(self.config.timeout_s)  # start-up
-        self._holds = WorkerHolds(snapshot.structure_key, snapshot.fingerprints, snapshot.tensors)
+        self._holds[request.slot] = WorkerHolds(snapshot.structure_key, snapshot.fingerprints, snapshot.tensors)
 
     def request_for(
-        self, snapshot: Snapshot, step_dir: str, file_tag: str, base: Optional[IncrementalBase]
+        self, snapshot: Snapshot, step_dir: str, file_tag: str, base: Optional[IncrementalBase], slot: int = 0
     ) -> SaveRequest:
-        held = self._holds if self.config.cache_structure else None
+        held = self._holds[slot] if self.config.cache_structure else None
         send = tensors_to_send(snapshot, held)
         self._next_save_id += 1
         return SaveRequest(
@@ -104,6 +105,7 @@ class RankWorker:
             base=base,
             kept_from=held.structure_key if send.kept else "",
             kept_tensors=send.kept,
+            slot=slot,
         )
 
     def await_staged(self, flight: InFlightSave) -> None:
@@ -158,6 +160,6 @@ class RankWorker:
 
     def _describe_failure(self, failed: SaveFailed) -> str:
         if failed.phase in ("cache", "request"):
-            self._holds = None  # it holds nothing of this request: resend everything next time
+            self._holds = [None] * CACHE_SLOTS  # it may hold nothing of ours: resend everything next time
         where = f" ({failed.path})" if failed.path else ""
         return f"{failed.phase} failed{where}: {failed.message}"

@@ -2,7 +2,8 @@
 
 The trainer sends the item list with a new structure key, and every tensor the worker does not
 hold yet (those it holds under the previous structure are named by position); afterwards only the
-key, plus the tensors it reallocated. The cache keeps one structure: a new key replaces it.
+key, plus the tensors it reallocated. The cache keeps one structure per slot (the request names
+its slot): a new key replaces that slot's structure.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from asyncckpt.protocol import TENSOR, ItemSpec, SaveRequest
+from asyncckpt.protocol import CACHE_SLOTS, TENSOR, ItemSpec, SaveRequest
 
 
 class CacheMiss(Exception):
@@ -31,14 +32,17 @@ class CachedStructure:
 
 class StructureCache:
     def __init__(self) -> None:
-        self.current: Optional[CachedStructure] = None
+        self.slots: list[Optional[CachedStructure]] = [None] * CACHE_SLOTS
 
     def apply(self, request: SaveRequest) -> tuple[CachedStructure, bool]:
         """Resolve the request to cached sources. Returns (entry, hit) where hit means the
         structure was already known."""
+        slot = request.slot
+        if not (isinstance(slot, int) and 0 <= slot < CACHE_SLOTS):
+            raise CacheMiss(f"no cache slot {slot!r} (this worker has {CACHE_SLOTS})")
         hit = request.items is None
         if not hit:
-            previous, self.current = self.current, None
+            previous, self.slots[slot] = self.slots[slot], None
             if request.kept_tensors and (previous is None or previous.key != request.kept_from):
                 held = previous.key[:12] if previous else "nothing"
                 raise CacheMiss(f"structure {request.kept_from[:12]} to keep tensors from is not cached (worker holds {held})")
@@ -46,8 +50,8 @@ class StructureCache:
             for pos, held_pos in request.kept_tensors.items():
                 sources[pos] = previous.sources[held_pos]
             del previous  # the handles not kept are released here
-            self.current = CachedStructure(key=request.structure_key, items=request.items, sources=sources)
-        entry = self.current
+            self.slots[slot] = CachedStructure(key=request.structure_key, items=request.items, sources=sources)
+        entry = self.slots[slot]
         if entry is None or entry.key != request.structure_key:
             held = entry.key[:12] if entry else "nothing"
             raise CacheMiss(f"structure {request.structure_key[:12]} is not cached (worker holds {held})")
@@ -57,9 +61,9 @@ class StructureCache:
             spec.index.fqn for spec, src in zip(entry.items, entry.sources) if spec.kind == TENSOR and src is None
         ]
         if missing:
-            self.current = None
+            self.slots[slot] = None
             raise CacheMiss(f"no tensor held for {missing[:3]}")
         return entry, hit
 
     def clear(self) -> None:
-        self.current = None
+        self.slots = [None] * CACHE_SLOTS
