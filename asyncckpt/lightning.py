@@ -6,9 +6,13 @@ staged; a commit thread of the plugin commits saves as their writes end (no coll
 calls the plugin on global rank 0 only). The checkpoint dict goes through `nested.flatten_exact`,
 so `load_checkpoint` returns exactly the dict that was saved, without a template.
 
-Two saves may be in flight (one checkpointer, i.e. one worker and one staging copy, each):
-ModelCheckpoint with `save_last=True` saves twice per event, and the second must not wait for the
-first one's writes. `max_in_flight=1` halves the memory and makes the second save wait instead.
+One worker serves every save. A save that comes while it is busy with an earlier one
+(ModelCheckpoint with `save_last=True` saves twice per event) is copied into a held copy and
+handed over once the worker is free: the trainer does not wait for the first save's writes, and
+the held copy's memory is taken again by the next such save (its pages already in shared memory,
+its tensors already held by the worker in a cache slot of their own), so a steady save sends no
+tensors. `max_in_flight` bounds the saves outstanding (in flight plus held); `max_in_flight=1`
+makes the second save wait instead, without the held copy's memory.
 
 This module imports Lightning; `import asyncckpt` does not import this module.
 """
@@ -20,6 +24,8 @@ import logging
 import os
 import threading
 import weakref
+from collections import deque
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -37,7 +43,7 @@ from .config import CheckpointConfig
 from .errors import CheckpointError
 from .loading import METADATA_FILE, is_checkpoint_file, load, read_metadata
 from .nested import flatten_exact, map_tensors, unflatten_exact
-from .private_copy import private_copy
+from .private_copy import HeldCopy
 from .storage import check_writable_without_writing, is_remote, storage_for
 
 log = logging.getLogger("asyncckpt")
@@ -69,25 +75,24 @@ class AsyncCheckpointIO(CheckpointIO):
             raise ValueError(f"max_in_flight must be an integer >= 1, not {max_in_flight!r}")
         self.config, self.trusted, self.max_in_flight = config, bool(trusted), max_in_flight
         self._init_runtime()
-        if _launched_as_global_rank_zero():  # start the workers now: the first save need not wait for them
+        if _launched_as_global_rank_zero():  # start the worker now: the first save need not wait for it
             with self._lock:
-                self._new_saver()
-                self._prestart = True  # the commit thread starts the others, one after another
-                self._start_committer()
+                self._ensure_saver()
 
     def _init_runtime(self) -> None:
-        self._lock = threading.RLock()  # every use of the checkpointers holds it
+        self._lock = threading.RLock()  # every use of the checkpointer holds it
         self._wake = threading.Event()  # a save was scheduled: the commit thread has work
         self._stop = threading.Event()  # closed: the commit thread ends
-        self._savers: list[AsyncCheckpointer] = []  # least recently used first; created on demand
-        self._deferred: dict[AsyncCheckpointer, tuple[dict, str]] = {}  # private copies not yet scheduled
+        self._saver: Optional[AsyncCheckpointer] = None  # created with the worker, on rank 0 only
+        self._held: deque[_HeldSave] = deque()  # saves copied while the worker was busy or starting, in order
+        self._spare: list[HeldCopy] = []  # held copies no save uses now, taken again by the next one
+        self._in_flight_copy: Optional[HeldCopy] = None  # the held copy the save in flight was scheduled from
         self._failures: list[str] = []  # failed saves not yet raised to Lightning
         self._committer: Optional[threading.Thread] = None
-        self._prestart = False  # start workers up to max_in_flight, each once the previous one is ready
         self._closed = False
 
     def __getstate__(self) -> dict:
-        """Strategies that spawn processes pickle the plugin: send the settings, not the workers."""
+        """Strategies that spawn processes pickle the plugin: send the settings, not the worker."""
         return {"config": self.config, "trusted": self.trusted, "max_in_flight": self.max_in_flight}
 
     def __setstate__(self, state: dict) -> None:
@@ -96,8 +101,9 @@ class AsyncCheckpointIO(CheckpointIO):
 
     # CheckpointIO ------------------------------------------------------------------------------
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Optional[Any] = None) -> None:
-        """Snapshot `checkpoint` as of now into the DCP directory `path`; returns once staged.
-        Saving to a path again replaces its checkpoint at commit, never before."""
+        """Snapshot `checkpoint` as of now into the DCP directory `path`; returns once staged (or
+        copied, while the worker is busy or starting). Saving to a path again replaces its
+        checkpoint at commit, never before."""
         if storage_options is not None:
             raise TypeError("AsyncCheckpointIO.save_checkpoint takes no storage_options (configure it with a CheckpointConfig)")
         if not isinstance(checkpoint, dict):
@@ -107,16 +113,18 @@ class AsyncCheckpointIO(CheckpointIO):
         with self._lock:
             self._check_open()
             self._raise_failures()
-            saver = self._saver_for(target)
-            self._savers.remove(saver)
-            self._savers.append(saver)
-            self._schedule_deferred(saver)  # a save still waiting for this saver goes first
-            copy = None if saver.in_flight_dir is not None or saver.worker_ready else private_copy(flat)
-            if copy is not None:  # its worker is still starting: the commit thread schedules the copy
-                check_writable_without_writing(target)
-                self._deferred[saver] = (copy, target)
-            else:
-                saver.schedule_save(flat, checkpoint_dir=target)
+            saver = self._ensure_saver()
+            while True:
+                self._advance(blocking=False)
+                if not self._held and saver.in_flight_dir is None and saver.worker_ready:
+                    saver.schedule_save(flat, checkpoint_dir=target)
+                    break
+                if self._may_hold(saver) and self._hold(flat, target):
+                    break
+                if not self._held and saver.in_flight_dir is None:  # no copy possible (e.g. GPU tensors)
+                    saver.schedule_save(flat, checkpoint_dir=target)  # waits for the worker's start
+                    break
+                self._advance(blocking=True)  # the save in flight commits; the next held one goes in
             self._start_committer()
             self._wake.set()
 
@@ -148,8 +156,8 @@ class AsyncCheckpointIO(CheckpointIO):
         return map_tensors(unflatten_exact(flat, target), _mover(map_location))
 
     def remove_checkpoint(self, path) -> None:
-        """Remove the checkpoint directory `path` (after its save, if one is in flight, so it can
-        never reappear). Anything but a checkpoint directory is refused."""
+        """Remove the checkpoint directory `path` (after its save, if one is held or in flight, so
+        it can never reappear). Anything but a checkpoint directory is refused."""
         target = _target(path)
         with self._lock:
             self._finish_saves_of(target)
@@ -157,14 +165,12 @@ class AsyncCheckpointIO(CheckpointIO):
             self._raise_failures()
 
     def teardown(self) -> None:
-        """Commit every save in flight (Lightning calls this at the end of each fit). The plugin,
-        and its workers, stay ready for the next fit."""
+        """Commit every save held or in flight (Lightning calls this at the end of each fit). The
+        plugin, and its worker, stay ready for the next fit."""
         with self._lock:
-            for saver in list(self._savers):
-                self._schedule_deferred(saver)
-                self._finalize(saver, blocking=True)
-            for saver in self._savers:  # a replaced last.ckpt's old files too: the directories are final now
-                saver.wait_tidy()
+            self._drain()
+            if self._saver is not None:  # a replaced last.ckpt's old files too: the directories are final now
+                self._saver.wait_tidy()
             self._raise_failures()
 
     # beyond CheckpointIO -----------------------------------------------------------------------
@@ -178,74 +184,86 @@ class AsyncCheckpointIO(CheckpointIO):
                 self._raise_failures()
 
     def close(self) -> None:
-        """Commit what is in flight and stop the workers. The plugin is unusable afterwards."""
+        """Commit what is held or in flight and stop the worker. The plugin is unusable afterwards."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
             _live.discard(self)
-            for saver in self._savers:
-                self._schedule_deferred(saver)
+            if self._saver is not None:
+                self._drain()
                 try:
-                    saver.close()
+                    self._saver.close()
                 except Exception as exc:
                     self._failed(str(exc))
-            self._savers = []
+                self._saver = None
             self._stop.set()
             self._wake.set()
             self._raise_failures()
 
     # internals ---------------------------------------------------------------------------------
-    def _saver_for(self, target: str) -> AsyncCheckpointer:
-        """The checkpointer writing `target` (a save to the same path waits for it), else an idle
-        one, else a new one up to max_in_flight, else the least recently used (its save is waited for)."""
-        for saver in self._savers:
-            if self._busy_with(saver) == target:
-                return saver
-        idle = [saver for saver in self._savers if self._busy_with(saver) is None]
-        for saver in idle:  # incremental: the one whose last save was this path reuses its files in place
-            if target in saver.base_dirs:
-                return saver
-        if idle:
-            return idle[0]
-        if len(self._savers) < self.max_in_flight:
-            return self._new_saver()
-        return self._savers[0]
+    def _ensure_saver(self) -> AsyncCheckpointer:
+        if self._saver is None:
+            self._saver = AsyncCheckpointer(config=self.config, no_dist=True)  # spawns its worker, without waiting
+            _live.add(self)
+        return self._saver
 
-    def _busy_with(self, saver: AsyncCheckpointer) -> Optional[str]:
-        """The directory `saver` is saving (deferred or in flight), or None when it is idle."""
-        deferred = self._deferred.get(saver)
-        return deferred[1] if deferred is not None else saver.in_flight_dir
+    def _may_hold(self, saver: AsyncCheckpointer) -> bool:
+        """Whether one more save may be held: the saves outstanding stay within max_in_flight,
+        except that a first save never waits for the worker's start."""
+        outstanding = len(self._held) + (saver.in_flight_dir is not None)
+        return outstanding < self.max_in_flight or (outstanding == 0 and not saver.worker_ready)
 
-    def _schedule_deferred(self, saver: AsyncCheckpointer) -> None:
-        """Hand a save deferred while its worker started to the worker (the private copy moves
-        into shared memory here). Its failure reaches Lightning at the next call, as a write's does."""
-        deferred = self._deferred.pop(saver, None)
-        if deferred is not None:
-            copy, target = deferred
+    def _hold(self, flat: dict, target: str) -> bool:
+        """Copy `flat` for a save handed over later; False where no copy can be taken."""
+        held_copy = self._spare.pop() if self._spare else HeldCopy()
+        state = held_copy.take(flat)
+        if state is None:
+            self._spare.append(held_copy)
+            return False
+        check_writable_without_writing(target)
+        self._held.append(_HeldSave(state, target, held_copy))
+        return True
+
+    def _advance(self, blocking: bool) -> None:
+        """Commit the save in flight once its writes end (`blocking`: wait for them), then hand
+        the next held save to the worker (once it is up, unless `blocking`). A failure reaches
+        Lightning at its next call."""
+        saver = self._saver
+        if saver.in_flight_dir is not None:
             try:
-                saver.schedule_save(copy, checkpoint_dir=target, wait=False)
+                saver.finalize(blocking=blocking)
+            except Exception as exc:  # the failed save removed its own files; Lightning hears of it next call
+                self._failed(str(exc))
+        if saver.in_flight_dir is not None:
+            return
+        if self._in_flight_copy is not None:  # staged and written: its memory serves the next held save
+            self._spare.append(self._in_flight_copy)
+            self._in_flight_copy = None
+        if self._held and (blocking or saver.worker_ready):  # not before: the hand-off would hold the lock
+            held = self._held.popleft()
+            try:
+                saver.schedule_save(held.state, checkpoint_dir=held.target, wait=False, cache_slot=HELD_SLOT)
+                self._in_flight_copy = held.copy
             except Exception as exc:
+                self._spare.append(held.copy)
                 self._failed(str(exc))
 
-    def _new_saver(self) -> AsyncCheckpointer:
-        saver = AsyncCheckpointer(config=self.config, no_dist=True)  # spawns its worker, without waiting
-        self._savers.append(saver)
-        _live.add(self)
-        return saver
+    def _drain(self) -> None:
+        """Commit every save held or in flight."""
+        while self._saver is not None and (self._held or self._saver.in_flight_dir is not None):
+            self._advance(blocking=True)
 
     def _finish_saves_of(self, target: str) -> None:
-        """Commit the saves writing `target`, and (incremental) those reusing its files."""
-        for saver in self._savers:
-            if self._busy_with(saver) == target or (saver.in_flight_dir is not None and target in saver.base_dirs):
-                self._schedule_deferred(saver)
-                self._finalize(saver, blocking=True)
-
-    def _finalize(self, saver: AsyncCheckpointer, blocking: bool) -> None:
-        try:
-            saver.finalize(blocking=blocking)
-        except Exception as exc:  # the failed save removed its own files; Lightning hears of it next call
-            self._failed(str(exc))
+        """Commit the saves writing `target` (and those before them), and (incremental) the one in
+        flight if it reuses its files."""
+        saver = self._saver
+        while saver is not None and (
+            any(held.target == target for held in self._held)
+            or saver.in_flight_dir == target
+            or saver.in_flight_base_dir == target
+        ):
+            self._advance(blocking=True)
 
     def _failed(self, message: str) -> None:
         log.error("asynchronous checkpoint failed: %s", message)
@@ -266,31 +284,34 @@ class AsyncCheckpointIO(CheckpointIO):
             self._committer.start()
 
     def _commit_loop(self) -> None:
-        """Commit saves as their writes end, so a checkpoint exists (and on_commit runs) without
-        waiting for Lightning's next call. Polls while a save is in flight; sleeps otherwise.
-        At the start it also starts the workers after the first, one at a time: each imports
-        torch (a second of CPU), and two at once would take a core from the training loop."""
+        """Commit saves as their writes end and hand held saves over as the worker frees up, so a
+        checkpoint exists (and on_commit runs) without waiting for Lightning's next call. Polls
+        while a save is held or in flight; sleeps otherwise."""
         while True:
             with self._lock:
                 if self._closed:
                     return
-                if self._prestart and all(saver.worker_ready for saver in self._savers):
-                    if len(self._savers) < self.max_in_flight:
-                        self._new_saver()
-                    self._prestart = len(self._savers) < self.max_in_flight
-                for saver in self._savers:
-                    if saver.worker_ready:  # not before: the hand-off would hold the lock the trainer's next save needs
-                        self._schedule_deferred(saver)
-                    if saver.in_flight_dir is not None:
-                        self._finalize(saver, blocking=False)
-                pending = self._prestart or any(
-                    saver.in_flight_dir is not None or saver in self._deferred for saver in self._savers)
+                if self._saver is not None:
+                    self._advance(blocking=False)
+                pending = self._saver is not None and (bool(self._held) or self._saver.in_flight_dir is not None)
                 if not pending:
                     self._wake.clear()  # under the lock: a save scheduled after this sets it again
             if pending:
                 self._stop.wait(COMMIT_POLL_S)
             else:
                 self._wake.wait(1.0)
+
+
+HELD_SLOT = 1  # the worker's cache slot for held copies (the trainer's own tensors use slot 0)
+
+
+@dataclass
+class _HeldSave:
+    """A save copied while the worker was busy or starting, handed over in order."""
+
+    state: dict
+    target: str
+    copy: HeldCopy
 
 
 def _launched_as_global_rank_zero() -> bool:

@@ -1,4 +1,5 @@
-"""A private copy of a state dict, so a first save need not wait for its worker's start.
+"""A private copy of a state dict, so a save need not wait for its worker (still starting, or
+busy with an earlier save).
 
 A first save has nothing before it to hide the worker's start-up (an interpreter importing
 torch: seconds). With a copy nobody else holds, the caller returns once the copy is taken, and
@@ -25,12 +26,51 @@ def private_copy(state: Any) -> Optional[Any]:
     is not cheap and safe: a tensor off the CPU (it would double device memory), pinned, or a
     subclass other than DTensor (e.g. ShardedTensor) that a copy might not preserve, or an object
     that cannot be deep-copied."""
-    if not _copyable(state):
-        return None
-    try:
-        return _copy(state)
-    except (TypeError, ValueError, AttributeError, copy.Error, RuntimeError):  # deepcopy refused an object
-        return None
+    return HeldCopy().take(state)
+
+
+class HeldCopy:
+    """A private copy that is taken again and again into the same memory: each `take` copies a
+    tensor into the one it copied the same path into last time when shape and dtype match. Once
+    a save has moved that memory into shared memory, a later take copies at memcpy speed (no page
+    is allocated or faulted in again) and the worker, which holds those tensors, is sent none.
+    A copy must not be taken again before the save of the previous one is staged."""
+
+    def __init__(self) -> None:
+        self._tensors: dict[tuple, torch.Tensor] = {}  # path -> the plain tensor copied into last time
+
+    def take(self, state: Any) -> Optional[Any]:
+        """A copy of `state` as `private_copy` describes it, in this copy's memory where it fits."""
+        if not _copyable(state):
+            return None
+        used: dict[tuple, torch.Tensor] = {}
+        try:
+            out = self._copy(state, (), used)
+        except (TypeError, ValueError, AttributeError, copy.Error, RuntimeError):  # deepcopy refused an object
+            return None
+        self._tensors = used  # memory no path uses any more is let go
+        return out
+
+    def _copy(self, state: Any, path: tuple, used: dict) -> Any:
+        if isinstance(state, dict):
+            out = copy.copy(state)  # keeps its type (OrderedDict, ...) and order
+            for k, v in state.items():
+                out[k] = self._copy(v, path + (k,), used)
+            return out
+        if type(state) in (list, tuple):
+            return type(state)(self._copy(v, path + (i,), used) for i, v in enumerate(state))
+        if not isinstance(state, torch.Tensor):
+            return copy.deepcopy(state)
+        if type(state) is DTensor:
+            return state.detach().clone().requires_grad_(state.requires_grad)
+        # DCP's metadata records dtype, layout, requires_grad (memory format: always contiguous)
+        target = self._tensors.get(path)
+        if target is None or target.shape != state.shape or target.dtype != state.dtype:
+            target = torch.empty(state.shape, dtype=state.dtype)
+        used[path] = target.copy_(state.detach())
+        if isinstance(state, torch.nn.Parameter):
+            return torch.nn.Parameter(target, requires_grad=state.requires_grad)
+        return target.detach().requires_grad_(state.requires_grad)
 
 
 def _copyable(state: Any) -> bool:
@@ -41,22 +81,3 @@ def _copyable(state: Any) -> bool:
     if isinstance(state, torch.Tensor):
         return state.device.type == "cpu" and not state.is_pinned() and type(state) in _COPYABLE
     return True
-
-
-def _copy(state: Any) -> Any:
-    if isinstance(state, dict):
-        out = copy.copy(state)  # keeps its type (OrderedDict, ...) and order
-        for k, v in state.items():
-            out[k] = _copy(v)
-        return out
-    if type(state) in (list, tuple):
-        return type(state)(_copy(v) for v in state)
-    if not isinstance(state, torch.Tensor):
-        return copy.deepcopy(state)
-    if type(state) is DTensor:
-        return state.detach().clone().requires_grad_(state.requires_grad)
-    # DCP's metadata records dtype, layout, requires_grad (memory format: always contiguous)
-    out = torch.empty(state.shape, dtype=state.dtype).copy_(state.detach())
-    if isinstance(state, torch.nn.Parameter):
-        return torch.nn.Parameter(out, requires_grad=state.requires_grad)
-    return out.requires_grad_(state.requires_grad)

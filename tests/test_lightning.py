@@ -10,7 +10,6 @@ import shutil
 import subprocess
 import sys
 import threading
-import time
 
 import psutil
 import pytest
@@ -160,31 +159,47 @@ def test_load_checkpoint_returns_exactly_the_saved_dict_as_of_the_save(tmp_path)
 
 
 def _workers(plugin) -> list[psutil.Process]:
-    return [psutil.Process(saver.worker_pid) for saver in plugin._savers]
+    return [psutil.Process(plugin._saver.worker_pid)] if plugin._saver is not None else []
 
 
-def test_the_workers_start_one_after_another_before_any_save():
-    """Built on rank 0, the plugin starts its first worker at once and the second once the first
-    is up, without a save: two interpreters importing torch at once would take a core from the
-    training loop, and a worker started at the first event would make that event wait."""
-    plugin = AsyncCheckpointIO()
+def test_one_worker_serves_both_saves_of_an_event_and_a_steady_event_sends_no_tensors(tmp_path):
+    """ModelCheckpoint's event is a top-k save then last.ckpt. One worker serves both: the second
+    save returns while the first is still being written (the worker is stopped here) and keeps
+    the values of its call; from the second event on, neither save hands the worker a tensor (the
+    trainer's tensors and the held copy each keep their cache slot), and no second worker starts."""
+    reports = []
+    plugin = AsyncCheckpointIO(CheckpointConfig(on_commit=reports.append))
+    model = {"w": torch.arange(64 * 1024.0), "v": torch.ones(1024), "layers": [torch.zeros(256), torch.zeros(512)]}
+    expected = {}
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            with plugin._lock:  # the commit thread uses the checkpointers under it too
-                savers = list(plugin._savers)
-                if len(savers) == 2:  # seen within milliseconds of the second's start
-                    assert savers[0].worker_ready, "the second worker started before the first was up"
-                    break
-            assert time.monotonic() < deadline, "the plugin did not start its second worker within 120 s"
-            time.sleep(0.005)
-        while True:
+        [worker] = _workers(plugin)
+        for _ in range(2400):  # the worker is up (a first save would otherwise be held too: tested below)
             with plugin._lock:
-                if all(s.worker_ready for s in savers):
+                if plugin._saver.worker_ready:
                     break
-            assert time.monotonic() < deadline, "the second worker did not come up within 120 s"
-            time.sleep(0.05)
-        assert len({s.worker_pid for s in savers}) == 2
+            threading.Event().wait(0.05)
+        for event in range(3):
+            state = {"state_dict": model, "epoch": event, "callbacks": {"best": {f"e{event}.ckpt": torch.tensor(float(event))}}}
+            plugin.save_checkpoint(state, str(tmp_path / f"epoch={event}.ckpt"))  # staged: written from here on
+            worker.suspend()  # the first save stays in flight
+            try:
+                returned = threading.Event()
+                threading.Thread(target=lambda: (plugin.save_checkpoint(state, str(tmp_path / "last.ckpt")), returned.set()),
+                                 daemon=True).start()
+                assert returned.wait(60), "the second save of an event waited for the first one's writes"
+            finally:
+                worker.resume()
+            expected[event] = _clone(model)
+            for tensor in [model["w"], model["v"], *model["layers"]]:
+                tensor.add_(1.0)  # the next step changes every tensor
+            plugin.wait()
+            assert _workers(plugin) == [worker], "a second worker served the plugin"
+        for event in range(3):
+            assert_exactly_equal(plugin.load_checkpoint(str(tmp_path / f"epoch={event}.ckpt"))["state_dict"], expected[event])
+        assert_exactly_equal(plugin.load_checkpoint(str(tmp_path / "last.ckpt"))["state_dict"], expected[2])
+        sent = [r.tensors_sent for r in reports]
+        assert sent[:2] == [5, 5], sent  # the trainer's tensors, then the held copy's
+        assert sent[2:] == [1, 1, 1, 1], f"tensors sent per save after the first event: {sent[2:]}"  # each event's new score
     finally:
         plugin.close()
 
@@ -200,8 +215,8 @@ def test_the_first_saves_do_not_wait_for_the_workers_to_start(tmp_path):
         worker.suspend()
     returned = threading.Event()
     try:
-        if any(saver.worker_ready for saver in plugin._savers):
-            pytest.skip("a worker finished starting before it could be stopped")
+        if plugin._saver.worker_ready:
+            pytest.skip("the worker finished starting before it could be stopped")
 
         def first_event() -> None:
             plugin.save_checkpoint(state, str(tmp_path / "epoch=0-step=2.ckpt"))
@@ -234,7 +249,8 @@ def test_remove_during_an_in_flight_save_waits_and_it_never_reappears(tmp_path):
         plugin.save_checkpoint(state, str(tmp_path / "warm.ckpt"))
         plugin.teardown()
         plugin.save_checkpoint(state, path)  # staged; its writes are still to come
-        [worker] = [psutil.Process(s.worker_pid) for s in plugin._savers if s.in_flight_dir == path]
+        assert plugin._saver.in_flight_dir == path
+        [worker] = _workers(plugin)
         worker.suspend()  # the save stays in flight until the worker goes on
         resume = threading.Timer(0.5, worker.resume)
         resume.start()
@@ -328,9 +344,9 @@ def test_bad_input_is_refused_clearly(tmp_path):
 
 def test_incremental_saves_in_lightnings_pattern_reuse_the_frozen_weights(tmp_path):
     """ModelCheckpoint's event (save the new top-k, save last.ckpt, remove the previous best) with
-    incremental=True and a mostly frozen model: only each of the plugin's two checkpointers' first
-    save is full, every other save writes only the trained tensors, and every kept checkpoint loads
-    as saved."""
+    incremental=True and a mostly frozen model: only the first save is full, every other save
+    writes at most the trained tensors (last.ckpt is re-saved in place, continuing from itself),
+    and every kept checkpoint loads as saved."""
     reports = []
     plugin = AsyncCheckpointIO(CheckpointConfig(incremental=True, on_commit=reports.append))
     frozen = {f"encoder.{i}": torch.randn(1 << 18) for i in range(4)}  # 4 MiB never trained
@@ -352,8 +368,9 @@ def test_incremental_saves_in_lightnings_pattern_reuse_the_frozen_weights(tmp_pa
             assert verify_checkpoint(path) == []
     finally:
         plugin.close()
-    full = [r.bytes_written for r in reports if r.bytes_written >= 1 << 20]  # in commit order, savers interleave
-    assert len(reports) == 6 and len(full) <= 2, [r.bytes_written for r in reports]  # each saver's first save only
+    written = [r.bytes_written for r in reports]
+    assert len(written) == 6 and written[0] >= 4 << 20, written  # the first save: everything
+    assert all(n < (1 << 18) + (64 << 10) for n in written[1:]), written  # then the trained 256 KiB at most
     assert sorted(os.listdir(tmp_path)) == ["epoch=0-step=3.ckpt", "last.ckpt"]
 
 
@@ -377,7 +394,7 @@ def _rank0_alone(rank: int, world_size: int, root: str) -> None:
         plugin.remove_checkpoint(path)
     plugin.teardown()
     assert dist.distributed_c10d._world.group_count == groups_before, "the plugin created a process group"
-    assert rank == 0 or plugin._savers == [], "a rank that never saves started a worker"
+    assert rank == 0 or plugin._saver is None, "a rank that never saves started a worker"
     plugin.close()
 
 
@@ -417,7 +434,7 @@ from asyncckpt.lightning import AsyncCheckpointIO
 plugin = AsyncCheckpointIO(CheckpointConfig(timeout_s=5), max_in_flight=1)
 plugin.save_checkpoint({"state_dict": {"w": torch.zeros(1 << 16)}, "epoch": 0}, sys.argv[1] + "/a.ckpt")
 plugin.wait()  # its worker is up and one save committed
-worker = psutil.Process(plugin._savers[0].worker_pid)
+worker = psutil.Process(plugin._saver.worker_pid)
 for process in [worker, *worker.children(recursive=True)]:  # from now on its writes fail (EFBIG)
     process.rlimit(resource.RLIMIT_FSIZE, (1, 1))
 plugin.save_checkpoint({"state_dict": {"w": torch.ones(1 << 16)}, "epoch": 1}, sys.argv[1] + "/b.ckpt")
