@@ -213,8 +213,18 @@ class AsyncCheckpointer:
         self._incremental.resumed(path)
 
     @property
-    def worker_ready(self) -> bool:  # the worker has started up: a save waits for no start-up
+    def worker_ready(self) -> bool:  # the worker has started up (and lives): a save waits for no start-up
         return self._worker.ready
+
+    @property
+    def worker_alive(self) -> bool:  # started or starting, and not dead
+        return self._worker.alive
+
+    def ensure_worker(self) -> None:
+        """Start a worker if there is none (it died, or was killed after a failure), without
+        waiting for it: the next save would otherwise start it, and wait for it."""
+        self._check_open()
+        self._worker.ensure_alive()
 
     def wait_tidy(self) -> bool:  # files that commits made obsolete are gone (waits at most timeout_s)
         return self._janitor.wait(self.config.timeout_s)

@@ -197,6 +197,7 @@ class AsyncCheckpointIO(CheckpointIO):
                 except Exception as exc:
                     self._failed(str(exc))
                 self._saver = None
+            self._spare, self._in_flight_copy = [], None
             self._stop.set()
             self._wake.set()
             self._raise_failures()
@@ -216,12 +217,12 @@ class AsyncCheckpointIO(CheckpointIO):
 
     def _hold(self, flat: dict, target: str) -> bool:
         """Copy `flat` for a save handed over later; False where no copy can be taken."""
-        held_copy = self._spare.pop() if self._spare else HeldCopy()
-        state = held_copy.take(flat)
+        check_writable_without_writing(target)
+        held_copy = self._spare.pop() if self._spare else HeldCopy(device_to_host=True)
+        state = held_copy.take(flat)  # GPU tensors land in host memory: the save must not wait for a write
         if state is None:
             self._spare.append(held_copy)
             return False
-        check_writable_without_writing(target)
         self._held.append(_HeldSave(state, target, held_copy))
         return True
 
@@ -238,15 +239,17 @@ class AsyncCheckpointIO(CheckpointIO):
         if saver.in_flight_dir is not None:
             return
         if self._in_flight_copy is not None:  # staged and written: its memory serves the next held save
-            self._spare.append(self._in_flight_copy)
+            if not self._spare:  # one is kept; another (two saves held at once) is let go
+                self._spare.append(self._in_flight_copy)
             self._in_flight_copy = None
+        if self._held and not saver.worker_alive:  # it died or was killed: start the next one now
+            saver.ensure_worker()
         if self._held and (blocking or saver.worker_ready):  # not before: the hand-off would hold the lock
             held = self._held.popleft()
             try:
                 saver.schedule_save(held.state, checkpoint_dir=held.target, wait=False, cache_slot=HELD_SLOT)
                 self._in_flight_copy = held.copy
             except Exception as exc:
-                self._spare.append(held.copy)
                 self._failed(str(exc))
 
     def _drain(self) -> None:

@@ -36,12 +36,13 @@ class HeldCopy:
     is allocated or faulted in again) and the worker, which holds those tensors, is sent none.
     A copy must not be taken again before the save of the previous one is staged."""
 
-    def __init__(self) -> None:
+    def __init__(self, device_to_host: bool = False) -> None:
+        self.device_to_host = device_to_host  # copy tensors on a device (GPU) into host memory too
         self._tensors: dict[tuple, torch.Tensor] = {}  # path -> the plain tensor copied into last time
 
     def take(self, state: Any) -> Optional[Any]:
         """A copy of `state` as `private_copy` describes it, in this copy's memory where it fits."""
-        if not _copyable(state):
+        if not _copyable(state, self.device_to_host):
             return None
         used: dict[tuple, torch.Tensor] = {}
         try:
@@ -66,18 +67,22 @@ class HeldCopy:
         # DCP's metadata records dtype, layout, requires_grad (memory format: always contiguous)
         target = self._tensors.get(path)
         if target is None or target.shape != state.shape or target.dtype != state.dtype:
-            target = torch.empty(state.shape, dtype=state.dtype)
+            target = torch.empty(state.shape, dtype=state.dtype)  # host memory, for a device tensor too
         used[path] = target.copy_(state.detach())
         if isinstance(state, torch.nn.Parameter):
             return torch.nn.Parameter(target, requires_grad=state.requires_grad)
         return target.detach().requires_grad_(state.requires_grad)
 
 
-def _copyable(state: Any) -> bool:
+def _copyable(state: Any, device_to_host: bool = False) -> bool:
     if isinstance(state, dict):
-        return all(_copyable(v) for v in state.values())
+        return all(_copyable(v, device_to_host) for v in state.values())
     if isinstance(state, (list, tuple)):
-        return type(state) in (list, tuple) and all(_copyable(v) for v in state)
+        return type(state) in (list, tuple) and all(_copyable(v, device_to_host) for v in state)
     if isinstance(state, torch.Tensor):
-        return state.device.type == "cpu" and not state.is_pinned() and type(state) in _COPYABLE
+        if type(state) not in _COPYABLE:
+            return False
+        if state.device.type != "cpu":
+            return device_to_host and type(state) is not DTensor
+        return not state.is_pinned()
     return True

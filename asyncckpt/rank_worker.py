@@ -39,8 +39,12 @@ class RankWorker:
         return self._client.pid if self._client is not None else None
 
     @property
-    def ready(self) -> bool:  # started up: a save waits for no start-up
-        return self._client is not None and self._client.poll_ready()
+    def ready(self) -> bool:  # started up and alive: a save waits for no start-up
+        return self._client is not None and self._client.poll_ready() and self._client.is_alive()
+
+    @property
+    def alive(self) -> bool:
+        return self._client is not None and self._client.is_alive()
 
     def start(self) -> None:
         cuda_device = torch.cuda.current_device() if torch.cuda.is_available() else None

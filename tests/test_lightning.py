@@ -168,8 +168,9 @@ def test_one_worker_serves_both_saves_of_an_event_and_a_steady_event_sends_no_te
     the values of its call; from the second event on, neither save hands the worker a tensor (the
     trainer's tensors and the held copy each keep their cache slot), and no second worker starts."""
     reports = []
-    plugin = AsyncCheckpointIO(CheckpointConfig(on_commit=reports.append))
-    model = {"w": torch.arange(64 * 1024.0), "v": torch.ones(1024), "layers": [torch.zeros(256), torch.zeros(512)]}
+    plugin = AsyncCheckpointIO(CheckpointConfig(io_workers=1, on_commit=reports.append))
+    # 16 MiB, one file: its write and fsync outlast the instant between staging and the suspend below
+    model = {"w": torch.arange(4 << 20, dtype=torch.float32), "v": torch.ones(1024), "layers": [torch.zeros(256), torch.zeros(512)]}
     expected = {}
     try:
         [worker] = _workers(plugin)
@@ -178,6 +179,8 @@ def test_one_worker_serves_both_saves_of_an_event_and_a_steady_event_sends_no_te
                 if plugin._saver.worker_ready:
                     break
             threading.Event().wait(0.05)
+        else:
+            pytest.fail("the worker did not start within 120 s")
         for event in range(3):
             state = {"state_dict": model, "epoch": event, "callbacks": {"best": {f"e{event}.ckpt": torch.tensor(float(event))}}}
             plugin.save_checkpoint(state, str(tmp_path / f"epoch={event}.ckpt"))  # staged: written from here on
@@ -205,11 +208,11 @@ def test_one_worker_serves_both_saves_of_an_event_and_a_steady_event_sends_no_te
 
 
 def test_the_first_saves_do_not_wait_for_the_workers_to_start(tmp_path):
-    """ModelCheckpoint's first event (a top-k save and last.ckpt) comes while the workers the
-    plugin spawned are still starting: both saves return once copied, even though no worker can
-    run yet (stopped here), and keep the values of the call; a removal of one waits for it."""
+    """ModelCheckpoint's first event (a top-k save and last.ckpt) comes while the worker the
+    plugin spawned is still starting: both saves return once copied, even though it cannot run
+    yet (stopped here), and keep the values of the call; a removal of one waits for it."""
     state = {"state_dict": {"w": torch.arange(4096.0)}, "epoch": 0}
-    plugin = AsyncCheckpointIO()  # spawns its first worker now (the second once the first is up, or at this event)
+    plugin = AsyncCheckpointIO()  # spawns its worker now
     workers = _workers(plugin)
     for worker in workers:
         worker.suspend()
