@@ -142,21 +142,21 @@ class AsyncCheckpointer:
         if overwrite_any:  # new files get other names; the old checkpoint stays committed until ours is
             file_tag = self._group.broadcast(new_file_tag())
             log.info("replacing committed checkpoint %s at commit (new files *%s)", step_dir, file_tag)
-        base = self._incremental.base_for(step_dir, file_tag)
-        if base is not None and not file_tag:  # its new files never take the name of one linked from the
-            file_tag = new_file_tag()  # base; and after the commit, files a torn save left there are removed
+        bases = self._incremental.bases_for(step_dir)
+        if bases and not file_tag:  # its new files and the links it makes never take the name of a base's
+            file_tag = new_file_tag()  # file; and after the commit, files a torn save left there are removed
         planned = self._planning.build(local, self._group) if changed else self._planning.reuse(local)
         flight = InFlightSave(
             0, step, name, step_dir, planned.metadata, started, 0, planned.reused_plan,
             backpressure_s=backpressure_s, collectives_before=collectives_before, file_tag=file_tag,
             label=label, owns_dir=owns_dir, replaces=bool(overwrite_any),
-            base_dir=base.checkpoint_dir if base is not None else None,
+            base_dirs=tuple(base.checkpoint_dir for base in bases),
         )
         try:
             snapshot = take_snapshot(planned)
             self._warn_about_copies(snapshot)
             self._worker.ensure_alive()
-            self._worker.send(flight, snapshot, base, cache_slot)
+            self._worker.send(flight, snapshot, bases, cache_slot)
         except Exception as exc:  # e.g. an entry that cannot be resolved or shared
             if self._group.size == 1:
                 discard_uncommitted(storage, step_dir, file_tag, owns_dir)
@@ -301,10 +301,10 @@ class AsyncCheckpointer:
         return self._in_flight.step_dir if self._in_flight is not None else None
 
     @property
-    def in_flight_base_dir(self) -> Optional[str]:
-        """Incremental: the checkpoint whose files the save in flight reuses (None: none). Deleting
-        it meanwhile would only cost that save its reuse; waiting for the save keeps the reuse."""
-        return self._in_flight.base_dir if self._in_flight is not None else None
+    def in_flight_base_dirs(self) -> tuple[str, ...]:
+        """Incremental: the checkpoints whose files the save in flight may reuse. Deleting one
+        meanwhile would only cost that save its reuse; waiting for the save keeps the reuse."""
+        return self._in_flight.base_dirs if self._in_flight is not None else ()
 
     def _raise_agreed_failure(self, problem: Optional[Exception], label: str, step_dir: str, owns_dir: bool) -> None:
         """Some rank could not start the save: every rank raises, naming the ranks and causes.

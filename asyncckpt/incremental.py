@@ -1,6 +1,6 @@
-"""Incremental saves, trainer side: the committed checkpoint a save continues from.
+"""Incremental saves, trainer side: the committed checkpoints a save may reuse files of.
 
-Within a run it is this rank's last committed save (`Continuation`). After a resume
+Within a run they are this rank's last committed saves (`Continuation`). After a resume
 it is read back from the loaded checkpoint's sidecar, which records every tensor's digest; only
 entries that agree with its `.metadata` and lie in this rank's own files are trusted. The worker
 decides per tensor (worker/rounds.py)."""
@@ -22,9 +22,10 @@ log = logging.getLogger("asyncckpt")
 class Continuation:
     """One checkpointer's incremental state: the committed saves its next save may reuse files of.
 
-    It keeps the last BASES committed directories: a save into one of them re-saves it in place
-    (Lightning's last.ckpt, saved right after each top-k checkpoint); a save anywhere else
-    continues from the newest."""
+    It keeps the last BASES committed directories, and a save may reuse the files of any of them:
+    its own directory's first (a re-save in place: Lightning's last.ckpt, saved again after each
+    top-k checkpoint, keeps what did not change where it is), then the others, newest first (that
+    last.ckpt holds exactly the top-k checkpoint just saved: every file is linked from it)."""
 
     BASES = 2
 
@@ -33,32 +34,27 @@ class Continuation:
         self.bases: list[IncrementalBase] = []  # newest first, one per directory
         self._said: set[str] = set()  # why saves were full (each reason logged once)
 
-    @property
-    def base_dirs(self) -> set[str]:
-        return {base.checkpoint_dir for base in self.bases}
-
-    def base_for(self, step_dir: str, file_tag: str) -> Optional[IncrementalBase]:
-        """The base of a save into `step_dir` (`file_tag` set: it replaces a committed checkpoint
-        there), or None for a full save, the reason logged once."""
+    def bases_for(self, step_dir: str) -> tuple[IncrementalBase, ...]:
+        """The bases of a save into `step_dir`, in the order the worker tries them (empty: a full
+        save, the reason logged once)."""
         if not self.enabled:
-            return None
+            return ()
         own = [base for base in self.bases if base.checkpoint_dir == step_dir]
-        base = own[0] if own else (self.bases[0] if self.bases else None)
-        reason = None
+        others = [base for base in self.bases if base.checkpoint_dir != step_dir]
         if not storage_for(step_dir).supports_links:
-            reason = "its storage can neither link nor copy files server-side"
-        elif base is None:
-            reason = "no committed checkpoint of this run or resumed from yet"
-        elif file_tag and base.checkpoint_dir != step_dir:
-            reason = "it replaces a committed checkpoint other than the one it would continue from"
-        elif base.checkpoint_dir == step_dir and current_save_id(step_dir) != base.save_id:
-            reason = "its directory was saved again by someone else since"
-        if reason is None:
-            return base
+            self._say(step_dir, "is a full save: its storage can neither link nor copy files server-side")
+            return ()
+        if own and current_save_id(step_dir) != own[0].save_id:
+            self._say(step_dir, "does not reuse its directory's files: it was saved again by someone else since")
+            own = []
+        if not own and not others:
+            self._say(step_dir, "is a full save: no committed checkpoint of this run or resumed from yet")
+        return (*own, *others)
+
+    def _say(self, step_dir: str, reason: str) -> None:
         if reason not in self._said:
             self._said.add(reason)
-            log.info("incremental save to %s is a full save: %s", step_dir, reason)
-        return None
+            log.info("incremental save to %s %s", step_dir, reason)
 
     def committed(self, step_dir: str, items: tuple[ItemWritten, ...], save_id: Optional[str]) -> None:
         if self.enabled:

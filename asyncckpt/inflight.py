@@ -34,7 +34,7 @@ class InFlightSave:
     label: str = ""  # how errors name this save: "step 5" or "checkpoint '/path'"
     owns_dir: bool = True  # the save created its directory (a failed save may remove all of it)
     replaces: bool = False  # a committed checkpoint was in its directory (agreed by every rank)
-    base_dir: Optional[str] = None  # incremental: the checkpoint whose files it reuses
+    base_dirs: tuple[str, ...] = ()  # incremental: the checkpoints whose files it may reuse
 
     def report(self, rank: int, verdict: Verdict, outcome: RankOutcome, collectives_now: int) -> SaveReport:
         """The figures of this save, once committed."""

@@ -264,7 +264,7 @@ class AsyncCheckpointIO(CheckpointIO):
         while saver is not None and (
             any(held.target == target for held in self._held)
             or saver.in_flight_dir == target
-            or saver.in_flight_base_dir == target
+            or target in saver.in_flight_base_dirs
         ):
             self._advance(blocking=True)
 

@@ -92,9 +92,9 @@ CACHE_SLOTS = 2  # structures a worker keeps cached at once (SaveRequest.slot)
 
 @dataclass(frozen=True)
 class IncrementalBase:
-    """The last committed checkpoint of this rank, for an incremental save: where each of its
-    items lies and the digest of its bytes. An item whose digest is unchanged is not written
-    again: its file is hard-linked into the new checkpoint directory."""
+    """A committed checkpoint of this rank an incremental save may reuse: where each of its items
+    lies and the digest of its bytes. An item whose digest is unchanged is not written again: its
+    file is hard-linked into the new checkpoint directory."""
 
     checkpoint_dir: str
     items: tuple["ItemWritten", ...]
@@ -119,7 +119,7 @@ class SaveRequest:
     file_tag: str = ""  # in every data file name: a save replacing a committed step never touches its files
     fresh_tensors: dict[int, torch.Tensor] = field(default_factory=dict)
     byte_items: dict[int, bytes] = field(default_factory=dict)
-    base: Optional[IncrementalBase] = None  # incremental: link what did not change from here
+    bases: tuple[IncrementalBase, ...] = ()  # incremental: link what did not change from these, in order
     kept_from: str = ""
     kept_tensors: dict[int, int] = field(default_factory=dict)
     slot: int = 0

@@ -80,10 +80,10 @@ class RankWorker:
             self._client = None
 
     # one save ------------------------------------------------------------------------------------
-    def send(self, flight: InFlightSave, snapshot: Snapshot, base: Optional[IncrementalBase], slot: int = 0) -> None:
+    def send(self, flight: InFlightSave, snapshot: Snapshot, bases: tuple[IncrementalBase, ...], slot: int = 0) -> None:
         """Hand the save to the worker: the structure key, and only the tensors it does not hold
         (in cache `slot`)."""
-        request = self.request_for(snapshot, flight.step_dir, flight.file_tag, base, slot)
+        request = self.request_for(snapshot, flight.step_dir, flight.file_tag, bases, slot)
         if snapshot.has_cuda:
             torch.cuda.current_stream().synchronize()  # the worker must see finished values
         self._client.send(request, self.config.timeout_s)
@@ -92,7 +92,7 @@ class RankWorker:
         self._holds[request.slot] = WorkerHolds(snapshot.structure_key, snapshot.fingerprints, snapshot.tensors)
 
     def request_for(
-        self, snapshot: Snapshot, step_dir: str, file_tag: str, base: Optional[IncrementalBase], slot: int = 0
+        self, snapshot: Snapshot, step_dir: str, file_tag: str, bases: tuple[IncrementalBase, ...] = (), slot: int = 0
     ) -> SaveRequest:
         held = self._holds[slot] if self.config.cache_structure else None
         send = tensors_to_send(snapshot, held)
@@ -106,7 +106,7 @@ class RankWorker:
             fresh_tensors=send.fresh,
             byte_items=snapshot.objects,
             file_tag=file_tag,
-            base=base,
+            bases=bases,
             kept_from=held.structure_key if send.kept else "",
             kept_tensors=send.kept,
             slot=slot,

@@ -377,6 +377,41 @@ def test_incremental_saves_in_lightnings_pattern_reuse_the_frozen_weights(tmp_pa
     assert sorted(os.listdir(tmp_path)) == ["epoch=0-step=3.ckpt", "last.ckpt"]
 
 
+def test_incremental_last_ckpt_links_the_top_k_save_of_its_event(tmp_path):
+    """Every tensor trained between events: last.ckpt, saved right after the event's top-k
+    checkpoint with the same values, writes none of them again (its files are the top-k save's,
+    hard-linked) while it replaces its own previous save; removing that top-k checkpoint later
+    leaves last.ckpt whole."""
+    reports = []
+    plugin = AsyncCheckpointIO(CheckpointConfig(incremental=True, on_commit=reports.append))
+    weights = {f"layer{i}": torch.randn(1 << 18) for i in range(4)}  # 4 MiB, all trained
+    try:
+        previous = None
+        for step in range(1, 4):
+            for tensor in weights.values():
+                tensor.add_(1.0)
+            checkpoint = {"state_dict": dict(weights), "global_step": step}
+            best = str(tmp_path / f"epoch=0-step={step}.ckpt")
+            plugin.save_checkpoint(checkpoint, best)
+            plugin.save_checkpoint(checkpoint, str(tmp_path / "last.ckpt"))
+            if previous is not None:
+                plugin.remove_checkpoint(previous)
+            previous = best
+        plugin.teardown()
+        last = str(tmp_path / "last.ckpt")
+        best_inodes = {os.stat(os.path.join(best, n)).st_ino for n in os.listdir(best)}
+        assert {os.stat(os.path.join(last, n)).st_ino for n in os.listdir(last) if n.endswith(".distcp")} & best_inodes
+        plugin.remove_checkpoint(best)
+        assert_exactly_equal(plugin.load_checkpoint(last), checkpoint)
+        assert verify_checkpoint(last) == []
+    finally:
+        plugin.close()
+    written = [r.bytes_written for r in reports]
+    assert len(written) == 6 and all(n >= 4 << 20 for n in written[0::2]), written  # top-k: every tensor
+    assert all(n < 64 << 10 for n in written[1::2]), written  # last.ckpt: its objects only
+    assert os.listdir(tmp_path) == ["last.ckpt"]
+
+
 def test_importing_asyncckpt_does_not_import_lightning():
     code = "import sys, asyncckpt; assert not any(m.split('.')[0] in ('lightning', 'pytorch_lightning') for m in sys.modules)"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

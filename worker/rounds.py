@@ -10,7 +10,7 @@ written, before `Staged` too. Files are appended to round after round, so they c
 as without a budget.
 
 An incremental save (`options.incremental`, never with a budget) stages everything first, then
-hashes each tensor: one whose digest equals the base's is not written, its base file is
+hashes each tensor: one whose digest equals a base's is not written, the base file holding it is
 hard-linked into the new directory instead, and only the others go into new files.
 """
 
@@ -24,7 +24,8 @@ import time
 from typing import Callable, Optional
 
 from asyncckpt.formats import (
-    DCP_SHARDING_INFO, SAFETENSORS, SafetensorsEntry, is_safetensors_file, safetensors_header, tensor_digest,
+    DCP_SHARDING_INFO, SAFETENSORS, TORCH_SAVE, SafetensorsEntry, data_file_name, is_safetensors_file,
+    safetensors_header, tensor_digest,
 )
 from asyncckpt.protocol import (
     TENSOR, WORKER_DEADLINE_SHARE, IncrementalBase, ItemSpec, ItemWritten, SaveRequest, WriteDone, WriteOptions,
@@ -121,8 +122,10 @@ def _run_incremental(
     on_staged()
     deadline = time.monotonic() + bound
     digests = {pos: tensor_digest(views[pos]) for pos, spec in enumerate(entry.items) if spec.kind == TENSOR}
-    unchanged, reused = _reusable(
-        request.base, entry.items, digests, storage, request.checkpoint_dir, options.format, deadline
+    committed_here = storage.exists(storage.join(request.checkpoint_dir, COMMIT_FILE))
+    unchanged, reused, links = _reusable(
+        request.bases, entry.items, digests, storage, request.checkpoint_dir, options.format, rank, request.file_tag,
+        committed_here, deadline,
     )
     to_write = [pos for pos in everything.positions if pos not in reused]
     object_sizes = {pos: len(b) for pos, b in request.byte_items.items()}
@@ -130,15 +133,14 @@ def _run_incremental(
     # apart from the changed ones, so the next save can reuse those files whole
     settled = [pos for pos in to_write if pos in unchanged]
     buckets = make_buckets(entry.items, object_sizes, rank, options.io_workers, options.separation_hint,
-                           options.format, request.file_tag, positions=settled)
+                           options.format, request.file_tag, positions=settled, first=links)
     buckets += make_buckets(entry.items, object_sizes, rank, options.io_workers, options.separation_hint,
                             options.format, request.file_tag, positions=[p for p in to_write if p not in unchanged],
-                            first=len(buckets))
+                            first=links + len(buckets))
     # a fresh 32-bit tag meeting the name of a file a committed checkpoint uses (one reused here, or
     # one of the checkpoint this save replaces): fail rather than write over it. A torn save's
     # leftovers are fair game.
     taken = {w.relative_path for w in reused.values()}
-    committed_here = storage.exists(storage.join(request.checkpoint_dir, COMMIT_FILE))
     for bucket in buckets:
         path = storage.join(request.checkpoint_dir, bucket.file_name)
         if bucket.file_name in taken or (committed_here and storage.exists(path)):
@@ -168,48 +170,63 @@ def _run_incremental(
 
 
 def _reusable(
-    base: Optional[IncrementalBase], items: tuple[ItemSpec, ...], digests: dict[int, bytes], storage: Storage,
-    directory: str, fmt: str, deadline: float,
-) -> tuple[set[int], dict[int, ItemWritten]]:
-    """The positions of the tensors stored unchanged in the base (same name, chunk, digest and
-    format), and those of them reused, with where they lie, once the base files holding them are
-    linked into `directory` (a re-save of the base's own directory keeps them in place: the
-    trainer names its new files with a fresh tag, and the replaced save's removal spares what the
-    new `.metadata` names).
+    bases: tuple[IncrementalBase, ...], items: tuple[ItemSpec, ...], digests: dict[int, bytes], storage: Storage,
+    directory: str, fmt: str, rank: int, file_tag: str, committed_here: bool, deadline: float,
+) -> tuple[set[int], dict[int, ItemWritten], int]:
+    """The positions of the tensors stored unchanged in a base (same name, chunk, digest and
+    format), those of them reused, with where they now lie, and how many files were linked in.
 
-    A base file is reused only while at least half its bytes are still wanted (otherwise its
-    unchanged tensors are written again: stale bytes never pile up, and what a checkpoint keeps
-    on disk stays under twice its size), and a safetensors file only when every tensor its header
-    lists is reused (readers that index the headers, like DCP's HuggingFaceStorageReader, must
-    never meet an old value of a changed tensor). A file that cannot be linked (the base was
-    deleted meanwhile, another filesystem) only means its tensors are written again."""
-    if base is None or not storage.supports_links:
-        return set(), {}
-    stored = {_key(w): w for w in base.items
-              if w.digest is not None and is_safetensors_file(w.relative_path) == (fmt == SAFETENSORS)}
-    same = {pos: stored[_key(items[pos])] for pos, digest in digests.items()
-            if _key(items[pos]) in stored and stored[_key(items[pos])].digest == digest}
-    wanted: dict[str, list[ItemWritten]] = {}
-    for w in same.values():
-        wanted.setdefault(w.relative_path, []).append(w)
-    linked = set()
-    for name, reused in sorted(wanted.items()):
-        if time.monotonic() > deadline:
-            raise WriteError(storage.join(directory, name), "linking the unchanged files did not finish in time")
-        source = storage.join(base.checkpoint_dir, name)
-        try:
-            if 2 * sum(w.length for w in reused) < storage.size(source):
-                log.debug("incremental save: %s is mostly stale; writing its %d unchanged tensors again", name, len(reused))
+    Bases are tried in order, each for the tensors the ones before it did not provide. A base
+    file is reused only while at least half its bytes are still wanted (otherwise its unchanged
+    tensors are written again: stale bytes never pile up, and what a checkpoint keeps on disk stays
+    under twice its size), and a safetensors file only when every tensor its header lists is
+    reused (readers that index the headers, like DCP's HuggingFaceStorageReader, must never meet an
+    old value of a changed tensor). A re-save of a base's own directory keeps its files where they
+    are (the replaced save's removal spares what the new `.metadata` names); a file of another
+    directory is linked in under a name of this save's own (`__{rank}_{n}{file_tag}`, n from 0;
+    the new files' numbers follow), so it never meets a file of a checkpoint committed here. A
+    file that cannot be linked (its base was deleted meanwhile, another filesystem) only means its
+    tensors are written again."""
+    if not bases or not storage.supports_links:
+        return set(), {}, 0
+    unchanged: set[int] = set()
+    reused: dict[int, ItemWritten] = {}
+    links = 0
+    for base in bases:
+        stored = {_key(w): w for w in base.items
+                  if w.digest is not None and is_safetensors_file(w.relative_path) == (fmt == SAFETENSORS)}
+        same = {pos: stored[_key(items[pos])] for pos, digest in digests.items()
+                if pos not in reused and _key(items[pos]) in stored and stored[_key(items[pos])].digest == digest}
+        unchanged.update(same)
+        wanted: dict[str, list[int]] = {}
+        for pos, w in same.items():
+            wanted.setdefault(w.relative_path, []).append(pos)
+        for name, positions in sorted(wanted.items()):
+            if time.monotonic() > deadline:
+                raise WriteError(storage.join(directory, name), "linking the unchanged files did not finish in time")
+            source = storage.join(base.checkpoint_dir, name)
+            try:
+                if 2 * sum(same[pos].length for pos in positions) < storage.size(source):
+                    log.debug("incremental save: %s is mostly stale; writing its %d unchanged tensors again",
+                              source, len(positions))
+                    continue
+                if is_safetensors_file(name) and _header_keys(storage, source) != {_key(same[p]) for p in positions}:
+                    continue
+                here = name
+                if base.checkpoint_dir != directory:
+                    here = data_file_name(rank, links, SAFETENSORS if is_safetensors_file(name) else TORCH_SAVE, file_tag)
+                    target = storage.join(directory, here)
+                    if committed_here and storage.exists(target):  # never replace a committed checkpoint's file
+                        raise WriteError(target, "the save's file name is taken (a tag collision); the next save picks another")
+                    storage.link(source, target)
+                    links += 1
+            except (OSError, ValueError, KeyError, TypeError) as exc:  # (a damaged header among them)
+                log.info("incremental save: cannot reuse %s from %s (%s); writing its tensors again",
+                         name, base.checkpoint_dir, describe(exc))
                 continue
-            if is_safetensors_file(name) and _header_keys(storage, source) != {_key(w) for w in reused}:
-                continue
-            if base.checkpoint_dir != directory:  # a re-save of the base keeps its files where they are
-                storage.link(source, storage.join(directory, name))
-            linked.add(name)
-        except (OSError, ValueError, KeyError, TypeError) as exc:  # (a damaged header among them)
-            log.info("incremental save: cannot reuse %s from %s (%s); writing its tensors again",
-                     name, base.checkpoint_dir, describe(exc))
-    return set(same), {pos: w for pos, w in same.items() if w.relative_path in linked}
+            for pos in positions:
+                reused[pos] = dataclasses.replace(same[pos], relative_path=here)
+    return unchanged, reused, links
 
 
 def _header_keys(storage: Storage, path: str) -> set[tuple]:
