@@ -44,6 +44,7 @@ from .errors import CheckpointError
 from .loading import METADATA_FILE, is_checkpoint_file, load, read_metadata
 from .nested import flatten_exact, map_tensors, unflatten_exact
 from .private_copy import HeldCopy
+from .snapshot import SHM_DIR, SHM_HEADROOM_BYTES, shared_memory_needed, shm_free_bytes
 from .storage import check_writable_without_writing, is_remote, storage_for
 
 log = logging.getLogger("asyncckpt")
@@ -71,6 +72,9 @@ class AsyncCheckpointIO(CheckpointIO):
             raise TypeError(f"config must be a CheckpointConfig, not {type(config).__name__}")
         if config.keep_last is not None:
             raise ValueError("AsyncCheckpointIO does not use keep_last: ModelCheckpoint(save_top_k=...) decides what is kept")
+        if config.staging != "eager":
+            raise ValueError("AsyncCheckpointIO needs CheckpointConfig.staging='eager': Lightning's next optimizer step "
+                             "changes the weights right after save_checkpoint returns, before a lazy copy would end")
         if type(max_in_flight) is not int or max_in_flight < 1:
             raise ValueError(f"max_in_flight must be an integer >= 1, not {max_in_flight!r}")
         self.config, self.trusted, self.max_in_flight = config, bool(trusted), max_in_flight
@@ -89,6 +93,7 @@ class AsyncCheckpointIO(CheckpointIO):
         self._in_flight_copy: Optional[HeldCopy] = None  # the held copy the save in flight was scheduled from
         self._failures: list[str] = []  # failed saves not yet raised to Lightning
         self._committer: Optional[threading.Thread] = None
+        self._said_no_shm = False  # the warning that held copies do not fit in /dev/shm is given once
         self._closed = False
 
     def __getstate__(self) -> dict:
@@ -216,15 +221,32 @@ class AsyncCheckpointIO(CheckpointIO):
         return outstanding < self.max_in_flight or (outstanding == 0 and not saver.worker_ready)
 
     def _hold(self, flat: dict, target: str) -> bool:
-        """Copy `flat` for a save handed over later; False where no copy can be taken."""
+        """Copy `flat` for a save handed over later; False where no copy can be taken, or where
+        /dev/shm has no room for it at hand-over (the save then waits for the worker instead of
+        failing later: the trainer's own tensors are in shared memory already)."""
         check_writable_without_writing(target)
         held_copy = self._spare.pop() if self._spare else HeldCopy(device_to_host=True)
         state = held_copy.take(flat)  # GPU tensors land in host memory: the save must not wait for a write
-        if state is None:
+        if state is None or not self._shm_room_for(state):
             self._spare.append(held_copy)
             return False
         self._held.append(_HeldSave(state, target, held_copy))
         return True
+
+    def _shm_room_for(self, state: dict) -> bool:
+        """Whether /dev/shm can take the held copy's tensors not shared yet (and what is held
+        already and not handed over), leaving its headroom."""
+        tensors = [v for held in (state, *(h.state for h in self._held)) for v in held.values() if isinstance(v, torch.Tensor)]
+        needed = shared_memory_needed((tensor, False) for tensor in tensors).nbytes
+        free = shm_free_bytes()
+        if needed == 0 or free is None or needed + SHM_HEADROOM_BYTES <= free:
+            return True
+        if not self._said_no_shm:
+            self._said_no_shm = True
+            log.warning("asyncckpt: %s free in %s cannot take a held copy of %.1f MiB: saves that come while the "
+                        "worker is busy wait for it instead (enlarge %s, e.g. docker --shm-size, to avoid the wait)",
+                        f"{free / 2**20:.1f} MiB", SHM_DIR, needed / 2**20, SHM_DIR)
+        return False
 
     def _advance(self, blocking: bool) -> None:
         """Commit the save in flight once its writes end (`blocking`: wait for them), then hand

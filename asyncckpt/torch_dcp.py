@@ -101,6 +101,9 @@ def configure(config: CheckpointConfig) -> None:
         raise TypeError(f"config must be a CheckpointConfig, not {type(config).__name__}")
     if config.keep_last is not None:
         raise CheckpointError("async_save writes the directories its callers name; keep_last does not apply")
+    if config.staging != "eager":
+        raise CheckpointError("async_save returns once the state is staged, as torch's does (its callers change "
+                              "the state right after): CheckpointConfig.staging='lazy' does not apply; use 'eager'")
     with _doors_lock:
         if _doors:
             raise CheckpointError("async_save has started already; call asyncckpt.torch_dcp.shutdown() first")

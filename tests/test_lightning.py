@@ -207,6 +207,39 @@ def test_one_worker_serves_both_saves_of_an_event_and_a_steady_event_sends_no_te
         plugin.close()
 
 
+def test_without_shared_memory_for_a_held_copy_the_second_save_waits_and_both_commit(tmp_path, monkeypatch, caplog):
+    """/dev/shm (a container's is often 64 MiB) has room for the trainer's tensors but not for a
+    held copy too: the second save of an event is not held (it would fail at hand-over) but waits
+    for the first one's writes, once warned; both checkpoints commit with their call's values."""
+    import asyncckpt.lightning as plugin_module
+
+    plugin = AsyncCheckpointIO(CheckpointConfig(io_workers=1))
+    model = {"w": torch.arange(1 << 20, dtype=torch.float32)}  # 4 MiB
+    try:
+        with plugin._lock:
+            plugin._ensure_saver().ensure_worker()
+        for _ in range(2400):
+            with plugin._lock:
+                if plugin._saver.worker_ready:
+                    break
+            threading.Event().wait(0.05)
+        monkeypatch.setattr(plugin_module, "shm_free_bytes", lambda: 2 << 20)  # no room for 4 more MiB
+        for event in range(2):
+            checkpoint = {"state_dict": model, "epoch": event}
+            plugin.save_checkpoint(checkpoint, str(tmp_path / f"epoch={event}.ckpt"))
+            with caplog.at_level("WARNING", "asyncckpt"):
+                plugin.save_checkpoint(checkpoint, str(tmp_path / "last.ckpt"))
+            assert os.path.exists(tmp_path / f"epoch={event}.ckpt" / ".metadata"), "the second save did not wait for the first"
+            expected = _clone(model)
+            model["w"].add_(1.0)
+        plugin.teardown()
+        assert_exactly_equal(plugin.load_checkpoint(str(tmp_path / "last.ckpt"))["state_dict"], expected)
+        assert_exactly_equal(plugin.load_checkpoint(str(tmp_path / "epoch=1.ckpt"))["state_dict"], expected)
+    finally:
+        plugin.close()
+    assert caplog.text.count("cannot take a held copy") == 1, caplog.text
+
+
 def test_the_first_saves_do_not_wait_for_the_workers_to_start(tmp_path):
     """ModelCheckpoint's first event (a top-k save and last.ckpt) comes while the worker the
     plugin spawned is still starting: both saves return once copied, even though it cannot run
@@ -311,6 +344,8 @@ def test_bad_input_is_refused_clearly(tmp_path):
     dcp.save({"w": torch.ones(2)}, checkpoint_id=stock, no_dist=True)
     with pytest.raises(ValueError, match="keep_last"):
         AsyncCheckpointIO(CheckpointConfig(keep_last=2))
+    with pytest.raises(ValueError, match="staging='eager'"):  # a lazy copy would see the next step's values
+        AsyncCheckpointIO(CheckpointConfig(staging="lazy"))
     plugin = AsyncCheckpointIO(max_in_flight=1)
     try:
         with pytest.raises(TypeError, match="storage_options"):

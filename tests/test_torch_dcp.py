@@ -197,6 +197,8 @@ def test_bad_input_is_refused_naming_the_problem_and_writes_nothing(tmp_path):
         asyncckpt.async_save(state, checkpoint_id=str(tmp_path / "x"), async_stager=object())
     with pytest.raises(CheckpointError, match="no_dist=True .* process_group"):
         asyncckpt.async_save(state, checkpoint_id=str(tmp_path / "x"), no_dist=True, process_group=object())
+    with pytest.raises(CheckpointError, match="staging='lazy' does not apply"):
+        torch_dcp.configure(CheckpointConfig(staging="lazy"))
     assert sorted(os.listdir(tmp_path)) == ["model.ckpt"]  # nothing created, nothing half-written
     asyncckpt.async_save(state, checkpoint_id=str(tmp_path / "y")).result(timeout=60)
     with pytest.raises(CheckpointError, match="already exists .* overwrite=False"):
