@@ -22,10 +22,11 @@ log = logging.getLogger("asyncckpt")
 class Continuation:
     """One checkpointer's incremental state: the committed saves its next save may reuse files of.
 
-    It keeps the last BASES committed directories, and a save may reuse the files of any of them:
-    its own directory's first (a re-save in place: Lightning's last.ckpt, saved again after each
-    top-k checkpoint, keeps what did not change where it is), then the others, newest first (that
-    last.ckpt holds exactly the top-k checkpoint just saved: every file is linked from it)."""
+    It keeps the last BASES committed directories. A save reuses the files of its own directory's
+    save first (a re-save in place: Lightning's last.ckpt, saved again after each top-k
+    checkpoint, keeps what did not change where it is), then those of the newest other one (that
+    last.ckpt holds exactly the top-k checkpoint just saved: every file is linked from it). Never
+    more: removing an older checkpoint (ModelCheckpoint's previous best) waits for no save."""
 
     BASES = 2
 
@@ -49,7 +50,7 @@ class Continuation:
             own = []
         if not own and not others:
             self._say(step_dir, "is a full save: no committed checkpoint of this run or resumed from yet")
-        return (*own, *others)
+        return (*own, *others[:1])
 
     def _say(self, step_dir: str, reason: str) -> None:
         if reason not in self._said:

@@ -415,12 +415,14 @@ def test_incremental_saves_in_lightnings_pattern_reuse_the_frozen_weights(tmp_pa
 def test_incremental_last_ckpt_links_the_top_k_save_of_its_event(tmp_path):
     """Every tensor trained between events: last.ckpt, saved right after the event's top-k
     checkpoint with the same values, writes none of them again (its files are the top-k save's,
-    hard-linked) while it replaces its own previous save; removing that top-k checkpoint later
-    leaves last.ckpt whole."""
+    hard-linked) while it replaces its own previous save; removing the previous best returns while
+    the event's saves are still in flight (the worker is stopped here); removing the top-k
+    checkpoint last.ckpt links leaves last.ckpt whole."""
     reports = []
-    plugin = AsyncCheckpointIO(CheckpointConfig(incremental=True, on_commit=reports.append))
+    plugin = AsyncCheckpointIO(CheckpointConfig(incremental=True, io_workers=1, on_commit=reports.append))
     weights = {f"layer{i}": torch.randn(1 << 18) for i in range(4)}  # 4 MiB, all trained
     try:
+        [worker] = _workers(plugin)
         previous = None
         for step in range(1, 4):
             for tensor in weights.values():
@@ -430,7 +432,13 @@ def test_incremental_last_ckpt_links_the_top_k_save_of_its_event(tmp_path):
             plugin.save_checkpoint(checkpoint, best)
             plugin.save_checkpoint(checkpoint, str(tmp_path / "last.ckpt"))
             if previous is not None:
-                plugin.remove_checkpoint(previous)
+                worker.suspend()  # the event's saves stay in flight
+                try:
+                    removed = threading.Event()
+                    threading.Thread(target=lambda: (plugin.remove_checkpoint(previous), removed.set()), daemon=True).start()
+                    assert removed.wait(60), "removing the previous best waited for the event's saves"
+                finally:
+                    worker.resume()
             previous = best
         plugin.teardown()
         last = str(tmp_path / "last.ckpt")
