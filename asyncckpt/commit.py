@@ -91,12 +91,18 @@ def finish_save(
     return verdict
 
 
+def _naming_rank(outcome: RankOutcome) -> str:
+    """A rank's error, prefixed with its rank unless it says it already (a worker's death does)."""
+    prefix = f"rank {outcome.rank}: "
+    return outcome.error if outcome.error.startswith(prefix) else prefix + outcome.error
+
+
 def _decide(storage: Storage, target: SaveTarget, outcomes: list[RankOutcome], fsync: bool, keep_last) -> Decision:
     failures = [o for o in outcomes if o.error is not None]
     what = f"step {target.step}" if target.name is not None else target.step_dir
     root = target.root if target.name is not None else None
     if failures:
-        return _failed(storage, target, "; ".join(f"rank {o.rank}: {o.error}" for o in failures), len(outcomes) > 1)
+        return _failed(storage, target, "; ".join(_naming_rank(o) for o in failures), len(outcomes) > 1)
     started = time.perf_counter()
     written = [item for o in outcomes for item in o.written.items]
     try:

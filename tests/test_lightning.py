@@ -277,6 +277,51 @@ def test_the_first_saves_do_not_wait_for_the_workers_to_start(tmp_path):
         plugin.close()
 
 
+def test_a_worker_killed_with_a_save_held_fails_that_save_and_the_held_one_commits(tmp_path):
+    """The worker dies (OOM killer, kill -9) while writing an event's top-k save, with last.ckpt
+    held: the top-k save fails and says so at the plugin's next call (never a hang), nothing of
+    it is left looking committed, and the held last.ckpt is written by a fresh worker the plugin's
+    commit thread starts (no call from Lightning needed), with its call's values; the plugin goes
+    on saving."""
+    plugin = AsyncCheckpointIO(CheckpointConfig(io_workers=1, timeout_s=60.0))
+    model = {"w": torch.arange(4 << 20, dtype=torch.float32)}  # 16 MiB
+    try:
+        [worker] = _workers(plugin)
+        for _ in range(2400):
+            with plugin._lock:
+                if plugin._saver.worker_ready:
+                    break
+            threading.Event().wait(0.05)
+        best = str(tmp_path / "epoch=0-step=1.ckpt")
+        plugin.save_checkpoint({"state_dict": model, "step": 1}, best)
+        worker.suspend()  # the top-k save stays in flight, so last.ckpt is held
+        plugin.save_checkpoint({"state_dict": model, "step": 1}, str(tmp_path / "last.ckpt"))
+        with plugin._lock:
+            held = bool(plugin._held)
+        if not held:
+            worker.resume()
+            pytest.skip("the top-k save was written before the worker could be stopped")
+        expected = _clone(model)
+        model["w"].add_(1.0)
+        worker.kill()
+        last_committed = tmp_path / "last.ckpt" / ".metadata"
+        for _ in range(2400):  # the plugin's commit thread starts the next worker, without a call from Lightning
+            if last_committed.exists():
+                break
+            threading.Event().wait(0.05)
+        assert last_committed.exists(), "the held save was not written without a call from Lightning"
+        with pytest.raises(CheckpointError, match=r"epoch=0-step=1\.ckpt' not committed: rank 0: checkpoint worker pid \d+ died"):
+            plugin.teardown()  # then says what failed
+        assert not os.path.exists(os.path.join(best, ".metadata"))
+        assert_exactly_equal(plugin.load_checkpoint(str(tmp_path / "last.ckpt"))["state_dict"], expected)
+        assert _workers(plugin) != [worker]
+        plugin.save_checkpoint({"state_dict": model, "step": 2}, str(tmp_path / "epoch=0-step=2.ckpt"))
+        plugin.teardown()
+        assert_exactly_equal(plugin.load_checkpoint(str(tmp_path / "epoch=0-step=2.ckpt"))["state_dict"], model)
+    finally:
+        plugin.close()
+
+
 def test_remove_during_an_in_flight_save_waits_and_it_never_reappears(tmp_path):
     state = {"w": torch.randn(MiB // 4)}
     path = str(tmp_path / "epoch=0-step=2.ckpt")
