@@ -1,5 +1,6 @@
-"""A Lightning fit checkpointing every N steps: asyncckpt's plugin vs Lightning's AsyncCheckpointIO
-vs Lightning's default IO (TorchCheckpointIO), against the same fit without checkpoints.
+"""A Lightning fit checkpointing every N steps: asyncckpt's plugin (default, and incremental:
+last.ckpt links the files of the top-k save just before it) vs Lightning's AsyncCheckpointIO vs
+Lightning's default IO (TorchCheckpointIO), against the same fit without checkpoints.
 
 Every method runs the same CPU fit (an MLP, Adam, deterministic data) in this process with
 ModelCheckpoint(every_n_train_steps=N, save_top_k=2, save_last=True), so each checkpoint event is
@@ -21,6 +22,7 @@ between events, as real jobs checkpoint far less often than every second).
 
     python benchmarks/bench_lightning.py                       # ~100 MB of state, about 20 minutes
     python benchmarks/bench_lightning.py --threads 1           # the fit on one core, one left free
+    python benchmarks/bench_lightning.py --steps 0 --rounds 5  # the representative fit only, more rounds
     python benchmarks/bench_lightning.py --width 2048 --steps 80 --out bench_out/bench_lightning.json
 """
 
@@ -41,6 +43,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import AsyncCheckpointIO as LightningAsyncIO
 from torch.utils.data import DataLoader, TensorDataset
 
+from asyncckpt import CheckpointConfig
 from asyncckpt.lightning import AsyncCheckpointIO
 
 
@@ -66,7 +69,8 @@ def fit(method: str, args, steps: int, every: int, root: str) -> dict:
     torch.manual_seed(0)
     x = torch.randn(steps * args.batch, 64)
     loader = DataLoader(TensorDataset(x, x[:, :8].sin()), batch_size=args.batch, shuffle=False)
-    plugins = {"lightning-async": [LightningAsyncIO], "asyncckpt": [AsyncCheckpointIO]}.get(method, [])
+    plugins = {"lightning-async": [LightningAsyncIO], "asyncckpt": [AsyncCheckpointIO],
+               "asyncckpt-incr": [lambda: AsyncCheckpointIO(CheckpointConfig(incremental=True))]}.get(method, [])
     plugins = [make() for make in plugins]
     clock = StepClock()
     callbacks = [clock] + ([] if method == "none" else [ModelCheckpoint(
@@ -116,7 +120,7 @@ class StepClock(L.Callback):
         self.starts.append(time.perf_counter())
 
 
-METHODS = ("none", "default", "lightning-async", "asyncckpt")
+METHODS = ("none", "default", "lightning-async", "asyncckpt", "asyncckpt-incr")
 
 
 def _cpu_s() -> float:
@@ -185,7 +189,7 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=1536)
     parser.add_argument("--depth", type=int, default=3)
     parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--steps", type=int, default=40, help="the short fit's steps (0: skip it)")
     parser.add_argument("--every", type=int, default=10, help="checkpoint every N steps")
     parser.add_argument("--long-steps", type=int, default=400, help="the representative fit's steps (0: skip it)")
     parser.add_argument("--long-every", type=int, default=100, help="the representative fit's checkpoint interval")
@@ -199,7 +203,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     root = args.dir or tempfile.mkdtemp(prefix="bench_lightning_")
-    configs = [(args.steps, args.every)] + ([(args.long_steps, args.long_every)] if args.long_steps else [])
+    configs = [(steps, every) for steps, every in ((args.steps, args.every), (args.long_steps, args.long_every)) if steps]
     results = []
     try:
         for steps, every in configs:
