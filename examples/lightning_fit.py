@@ -107,7 +107,8 @@ def main() -> int:
     if args.fresh and os.environ.get("LOCAL_RANK", "0") == "0" and os.path.isdir(args.dir):
         shutil.rmtree(args.dir)
     torch.manual_seed(0)
-    config = CheckpointConfig(on_commit=lambda report: print(f"committed {os.path.basename(report.path)}", flush=True))
+    config = CheckpointConfig(incremental=True, on_commit=lambda report: print(  # incremental: the plugin's default
+        f"committed {os.path.basename(report.path)} ({report.bytes_written / 1e6:.2f} MB written)", flush=True))
     plugins = [AsyncCheckpointIO(config)] if args.io == "asyncckpt" else []
     check = ResumeCheck()
     trainer = L.Trainer(
