@@ -1,6 +1,7 @@
-"""A Lightning fit checkpointing every N steps: asyncckpt's plugin (default, and incremental:
-last.ckpt links the files of the top-k save just before it) vs Lightning's AsyncCheckpointIO vs
-Lightning's default IO (TorchCheckpointIO), against the same fit without checkpoints.
+"""A Lightning fit checkpointing every N steps: asyncckpt's plugin (as configured by default:
+incremental, so last.ckpt links the files of the top-k save just before it; and `-full`, every
+save written whole) vs Lightning's AsyncCheckpointIO vs Lightning's default IO
+(TorchCheckpointIO), against the same fit without checkpoints.
 
 Every method runs the same CPU fit (an MLP, Adam, deterministic data) in this process with
 ModelCheckpoint(every_n_train_steps=N, save_top_k=2, save_last=True), so each checkpoint event is
@@ -70,7 +71,7 @@ def fit(method: str, args, steps: int, every: int, root: str) -> dict:
     x = torch.randn(steps * args.batch, 64)
     loader = DataLoader(TensorDataset(x, x[:, :8].sin()), batch_size=args.batch, shuffle=False)
     plugins = {"lightning-async": [LightningAsyncIO], "asyncckpt": [AsyncCheckpointIO],
-               "asyncckpt-incr": [lambda: AsyncCheckpointIO(CheckpointConfig(incremental=True))]}.get(method, [])
+               "asyncckpt-full": [lambda: AsyncCheckpointIO(CheckpointConfig())]}.get(method, [])
     plugins = [make() for make in plugins]
     clock = StepClock()
     callbacks = [clock] + ([] if method == "none" else [ModelCheckpoint(
@@ -120,7 +121,7 @@ class StepClock(L.Callback):
         self.starts.append(time.perf_counter())
 
 
-METHODS = ("none", "default", "lightning-async", "asyncckpt", "asyncckpt-incr")
+METHODS = ("none", "default", "lightning-async", "asyncckpt", "asyncckpt-full")
 
 
 def _cpu_s() -> float:
