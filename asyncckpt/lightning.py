@@ -227,19 +227,24 @@ class AsyncCheckpointIO(CheckpointIO):
         /dev/shm has no room for it at hand-over (the save then waits for the worker instead of
         failing later: the trainer's own tensors are in shared memory already)."""
         check_writable_without_writing(target)
-        held_copy = self._spare.pop() if self._spare else HeldCopy(device_to_host=True)
-        state = held_copy.take(flat)  # GPU tensors land in host memory: the save must not wait for a write
-        if state is None or not self._shm_room_for(state):
-            self._spare.append(held_copy)
+        spare = self._spare.pop() if self._spare else None
+        held_copy = spare or HeldCopy(device_to_host=True)
+        if not self._shm_room_for(held_copy.bytes_to_share(flat)):  # asked before copying anything
+            state = None
+        else:
+            state = held_copy.take(flat)  # GPU tensors land in host memory: the save must not wait for a write
+        if state is None:
+            if spare is not None:  # its memory is as it was: still the one to take again
+                self._spare.append(spare)
             return False
         self._held.append(_HeldSave(state, target, held_copy))
         return True
 
-    def _shm_room_for(self, state: dict) -> bool:
-        """Whether /dev/shm can take the held copy's tensors not shared yet (and what is held
-        already and not handed over), leaving its headroom."""
-        tensors = [v for held in (state, *(h.state for h in self._held)) for v in held.values() if isinstance(v, torch.Tensor)]
-        needed = shared_memory_needed((tensor, False) for tensor in tensors).nbytes
+    def _shm_room_for(self, copy_bytes: int) -> bool:
+        """Whether /dev/shm can take `copy_bytes` of a new held copy, besides the held copies not
+        handed over yet (free space does not count them until then), leaving its headroom."""
+        held = [v for h in self._held for v in h.state.values() if isinstance(v, torch.Tensor)]
+        needed = copy_bytes + shared_memory_needed((tensor, False) for tensor in held).nbytes
         free = shm_free_bytes()
         if needed == 0 or free is None or needed + SHM_HEADROOM_BYTES <= free:
             return True

@@ -12,6 +12,7 @@ more on the caller's thread (tmpfs pages are allocated, zeroed and faulted in on
 from __future__ import annotations
 
 import copy
+import mmap
 from typing import Any, Optional
 
 import torch
@@ -51,6 +52,21 @@ class HeldCopy:
             return None
         self._tensors = used  # memory no path uses any more is let go
         return out
+
+    def bytes_to_share(self, state: Any, path: tuple = ()) -> int:
+        """The bytes of shared memory a save of `take(state)` would newly need: its tensors'
+        (page-rounded), except those landing in memory of this copy that is shared already."""
+        if isinstance(state, dict):
+            return sum(self.bytes_to_share(v, path + (k,)) for k, v in state.items())
+        if isinstance(state, (list, tuple)):
+            return sum(self.bytes_to_share(v, path + (i,)) for i, v in enumerate(state))
+        if not isinstance(state, torch.Tensor) or type(state) is DTensor:
+            return 0
+        target = self._tensors.get(path)
+        if (target is not None and target.shape == state.shape and target.dtype == state.dtype
+                and target.untyped_storage().is_shared()):
+            return 0
+        return -(-state.numel() * state.element_size() // mmap.PAGESIZE) * mmap.PAGESIZE
 
     def _copy(self, state: Any, path: tuple, used: dict) -> Any:
         if isinstance(state, dict):

@@ -210,7 +210,8 @@ def test_one_worker_serves_both_saves_of_an_event_and_a_steady_event_sends_no_te
 def test_without_shared_memory_for_a_held_copy_the_second_save_waits_and_both_commit(tmp_path, monkeypatch, caplog):
     """/dev/shm (a container's is often 64 MiB) has room for the trainer's tensors but not for a
     held copy too: the second save of an event is not held (it would fail at hand-over) but waits
-    for the first one's writes, once warned; both checkpoints commit with their call's values."""
+    for the first one's writes, once warned, without copying the state first; both checkpoints
+    commit with their call's values."""
     import asyncckpt.lightning as plugin_module
 
     plugin = AsyncCheckpointIO(CheckpointConfig(io_workers=1))
@@ -224,6 +225,9 @@ def test_without_shared_memory_for_a_held_copy_the_second_save_waits_and_both_co
                     break
             threading.Event().wait(0.05)
         monkeypatch.setattr(plugin_module, "shm_free_bytes", lambda: 2 << 20)  # no room for 4 more MiB
+        copies = []
+        take = plugin_module.HeldCopy.take
+        monkeypatch.setattr(plugin_module.HeldCopy, "take", lambda self, state: copies.append(1) or take(self, state))
         for event in range(2):
             checkpoint = {"state_dict": model, "epoch": event}
             plugin.save_checkpoint(checkpoint, str(tmp_path / f"epoch={event}.ckpt"))
@@ -238,6 +242,7 @@ def test_without_shared_memory_for_a_held_copy_the_second_save_waits_and_both_co
     finally:
         plugin.close()
     assert caplog.text.count("cannot take a held copy") == 1, caplog.text
+    assert copies == [], "a copy was taken only to be thrown away"
 
 
 def test_the_first_saves_do_not_wait_for_the_workers_to_start(tmp_path):
