@@ -48,14 +48,18 @@ class Continuation:
         if own and current_save_id(step_dir) != own[0].save_id:
             self._say(step_dir, "does not reuse its directory's files: it was saved again by someone else since")
             own = []
-        if not own and not others:
+        others = others[:1]
+        if others and current_save_id(others[0].checkpoint_dir) != others[0].save_id:  # its files may be others now
+            self._say(others[0].checkpoint_dir, "is not reused: it was removed or saved again by someone else since")
+            others = []
+        if not self.bases:
             self._say(step_dir, "is a full save: no committed checkpoint of this run or resumed from yet")
-        return (*own, *others[:1])
+        return (*own, *others)
 
-    def _say(self, step_dir: str, reason: str) -> None:
+    def _say(self, directory: str, reason: str) -> None:
         if reason not in self._said:
             self._said.add(reason)
-            log.info("incremental save to %s %s", step_dir, reason)
+            log.info("incremental save: %s %s", directory, reason)
 
     def committed(self, step_dir: str, items: tuple[ItemWritten, ...], save_id: Optional[str]) -> None:
         if self.enabled:

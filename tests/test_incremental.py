@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import shutil
 
 import pytest
 import torch
@@ -164,6 +165,29 @@ def test_re_saving_the_same_directory_keeps_unchanged_files_in_place(tmp_path):
     assert {n for n in os.listdir(path) if not n.startswith(".")} == named
     assert_state_equal(read_back(path, state, "torch_save"), state)
     assert verify_checkpoint(path) == []
+
+
+def test_a_base_saved_again_by_someone_else_is_not_reused(tmp_path, caplog):
+    """The directory of the last save is removed and saved again by someone else (here stock
+    `dcp.save`, under the same file names): the next save, into another directory, links none of
+    its files (they hold other bytes now) but writes the state whole, and loads and verifies."""
+    state = frozen_state()
+    first, second = str(tmp_path / "first"), str(tmp_path / "second")
+    with AsyncCheckpointer(config=CheckpointConfig(incremental=True, io_workers=1)) as ckpt:
+        ckpt.schedule_save(state, checkpoint_dir=first)
+        ckpt.finalize(blocking=True)
+        other = frozen_state()
+        for tensor in other["encoder"].values():
+            tensor.mul_(-1.0)
+        shutil.rmtree(first)
+        dcp.save(other, checkpoint_id=first, no_dist=True)
+        with caplog.at_level(logging.INFO, "asyncckpt"):
+            ckpt.schedule_save(state, checkpoint_dir=second)
+            [report] = ckpt.finalize(blocking=True)
+    assert_state_equal(read_back(second, state, "torch_save"), state)
+    assert verify_checkpoint(second) == []
+    assert report.bytes_written >= FROZEN_BYTES, report
+    assert "saved again by someone else" in caplog.text
 
 
 def test_a_save_into_a_torn_directory_never_writes_through_a_link(tmp_path):
