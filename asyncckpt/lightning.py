@@ -2,30 +2,18 @@
 
 Each `.ckpt` path Lightning names becomes a DCP checkpoint directory, written by asyncckpt's
 worker and committed when its `.metadata` lands. `save_checkpoint` returns once the snapshot is
-staged; a commit thread of the plugin commits saves as their writes end (no collective: Lightning
-calls the plugin on global rank 0 only). The checkpoint dict goes through `nested.flatten_exact`,
-so `load_checkpoint` returns exactly the dict that was saved, without a template.
-
-One worker serves every save. A save that comes while it is busy with an earlier one
-(ModelCheckpoint with `save_last=True` saves twice per event) is copied into a held copy and
-handed over once the worker is free: the trainer does not wait for the first save's writes, and
-the held copy's memory is taken again by the next such save (its pages already in shared memory,
-its tensors already held by the worker in a cache slot of their own), so a steady save sends no
-tensors. `max_in_flight` bounds the saves outstanding (in flight plus held); `max_in_flight=1`
-makes the second save wait instead, without the held copy's memory.
+staged (no collective: Lightning calls the plugin on global rank 0 only). The checkpoint dict goes
+through `nested.flatten_exact`, so `load_checkpoint` returns exactly the dict that was saved,
+without a template. One worker serves every save, in call order (held_saves.HeldSaves: the second
+save of an event is copied instead of waiting for the first one's writes).
 
 This module imports Lightning; `import asyncckpt` does not import this module.
 """
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
-import threading
-import weakref
-from collections import deque
-from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -37,23 +25,16 @@ except ImportError as exc:  # asyncckpt itself does not depend on Lightning
 
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from . import at_exit
-from .checkpointer import AsyncCheckpointer
 from .config import CheckpointConfig
 from .errors import CheckpointError
+from .held_saves import HeldSaves
 from .loading import METADATA_FILE, is_checkpoint_file, load, read_metadata
 from .nested import flatten_exact, map_tensors, unflatten_exact
-from .private_copy import HeldCopy
-from .snapshot import SHM_DIR, SHM_HEADROOM_BYTES, shared_memory_needed, shm_free_bytes
-from .storage import check_writable_without_writing, is_remote, storage_for
+from .storage import is_remote, storage_for
 
 log = logging.getLogger("asyncckpt")
 
-COMMIT_POLL_S = 0.02  # how often the commit thread looks for finished writes while a save is in flight
-
 __all__ = ["AsyncCheckpointIO"]
-
-_live: "weakref.WeakSet[AsyncCheckpointIO]" = weakref.WeakSet()
 
 
 class AsyncCheckpointIO(CheckpointIO):
@@ -82,21 +63,11 @@ class AsyncCheckpointIO(CheckpointIO):
         self.config, self.trusted, self.max_in_flight = config, bool(trusted), max_in_flight
         self._init_runtime()
         if _launched_as_global_rank_zero():  # start the worker now: the first save need not wait for it
-            with self._lock:
-                self._ensure_saver()
+            with self._saves.lock:
+                self._saves.ensure_saver()
 
     def _init_runtime(self) -> None:
-        self._lock = threading.RLock()  # every use of the checkpointer holds it
-        self._wake = threading.Event()  # a save was scheduled: the commit thread has work
-        self._stop = threading.Event()  # closed: the commit thread ends
-        self._saver: Optional[AsyncCheckpointer] = None  # created with the worker, on rank 0 only
-        self._held: deque[_HeldSave] = deque()  # saves copied while the worker was busy or starting, in order
-        self._spare: list[HeldCopy] = []  # held copies no save uses now, taken again by the next one
-        self._in_flight_copy: Optional[HeldCopy] = None  # the held copy the save in flight was scheduled from
-        self._failures: list[str] = []  # failed saves not yet raised to Lightning
-        self._committer: Optional[threading.Thread] = None
-        self._said_no_shm = False  # the warning that held copies do not fit in /dev/shm is given once
-        self._closed = False
+        self._saves = HeldSaves(self.config, self.max_in_flight, owner="AsyncCheckpointIO")
 
     def __getstate__(self) -> dict:
         """Strategies that spawn processes pickle the plugin: send the settings, not the worker."""
@@ -115,34 +86,16 @@ class AsyncCheckpointIO(CheckpointIO):
             raise TypeError("AsyncCheckpointIO.save_checkpoint takes no storage_options (configure it with a CheckpointConfig)")
         if not isinstance(checkpoint, dict):
             raise TypeError(f"checkpoint must be a dict, not {type(checkpoint).__name__}")
-        target = _target(path)
-        flat = flatten_exact(checkpoint)
-        with self._lock:
-            self._check_open()
-            self._raise_failures()
-            saver = self._ensure_saver()
-            while True:
-                self._advance(blocking=False)
-                if not self._held and saver.in_flight_dir is None and saver.worker_ready:
-                    saver.schedule_save(flat, checkpoint_dir=target)
-                    break
-                if self._may_hold(saver) and self._hold(flat, target):
-                    break
-                if not self._held and saver.in_flight_dir is None:  # no copy possible (e.g. GPU tensors)
-                    saver.schedule_save(flat, checkpoint_dir=target)  # waits for the worker's start
-                    break
-                self._advance(blocking=True)  # the save in flight commits; the next held one goes in
-            self._start_committer()
-            self._wake.set()
+        self._saves.save(flatten_exact(checkpoint), _target(path))
 
     def load_checkpoint(self, path, map_location: Optional[Any] = None, weights_only: Optional[bool] = None) -> dict:
         """The dict saved to `path`, read without a template and safely: `.metadata` through the
         restricted unpickler, objects with weights_only unless trusted. Tensors load on the CPU,
         or on the device `map_location` names. Waits for a save of `path` still in flight."""
         target = _target(path)
-        with self._lock:
-            self._finish_saves_of(target)
-            self._raise_failures()
+        with self._saves.lock:
+            self._saves.finish_saves_of(target)
+            self._saves.raise_failures()
         storage = storage_for(target)
         if storage.exists(target):  # a file
             raise CheckpointError(
@@ -166,187 +119,35 @@ class AsyncCheckpointIO(CheckpointIO):
         """Remove the checkpoint directory `path` (after its save, if one is held or in flight, so
         it can never reappear). Anything but a checkpoint directory is refused."""
         target = _target(path)
-        with self._lock:
-            self._finish_saves_of(target)
+        with self._saves.lock:
+            self._saves.finish_saves_of(target)
             _remove_checkpoint_dir(target)
-            self._raise_failures()
+            self._saves.raise_failures()
 
     def teardown(self) -> None:
         """Commit every save held or in flight (Lightning calls this at the end of each fit). The
-        plugin, and its worker, stay ready for the next fit."""
-        with self._lock:
-            self._drain()
-            if self._saver is not None:  # a replaced last.ckpt's old files too: the directories are final now
-                self._saver.wait_tidy()
-            self._raise_failures()
+        plugin, and its worker, stay ready for the next fit. The directories are final then (a
+        replaced last.ckpt's old files are gone too)."""
+        self._saves.settle()
 
     # beyond CheckpointIO -----------------------------------------------------------------------
     def wait(self, path=None) -> None:
         """Block until the save of `path` (or every save) is committed; raise if one failed."""
-        with self._lock:
-            if path is None:
-                self.teardown()
-            else:
-                self._finish_saves_of(_target(path))
-                self._raise_failures()
+        if path is None:
+            self._saves.settle()
+            return
+        with self._saves.lock:
+            self._saves.finish_saves_of(_target(path))
+            self._saves.raise_failures()
 
     def close(self) -> None:
         """Commit what is held or in flight and stop the worker. The plugin is unusable afterwards."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            _live.discard(self)
-            if self._saver is not None:
-                self._drain()
-                try:
-                    self._saver.close()
-                except Exception as exc:
-                    self._failed(str(exc))
-                self._saver = None
-            self._spare, self._in_flight_copy = [], None
-            self._stop.set()
-            self._wake.set()
-            self._raise_failures()
-
-    # internals ---------------------------------------------------------------------------------
-    def _ensure_saver(self) -> AsyncCheckpointer:
-        if self._saver is None:
-            self._saver = AsyncCheckpointer(config=self.config, no_dist=True)  # spawns its worker, without waiting
-            _live.add(self)
-        return self._saver
-
-    def _may_hold(self, saver: AsyncCheckpointer) -> bool:
-        """Whether one more save may be held: the saves outstanding stay within max_in_flight,
-        except that a first save never waits for the worker's start."""
-        outstanding = len(self._held) + (saver.in_flight_dir is not None)
-        return outstanding < self.max_in_flight or (outstanding == 0 and not saver.worker_ready)
-
-    def _hold(self, flat: dict, target: str) -> bool:
-        """Copy `flat` for a save handed over later; False where no copy can be taken, or where
-        /dev/shm has no room for it at hand-over (the save then waits for the worker instead of
-        failing later: the trainer's own tensors are in shared memory already)."""
-        check_writable_without_writing(target)
-        spare = self._spare.pop() if self._spare else None
-        held_copy = spare or HeldCopy(device_to_host=True)
-        if not self._shm_room_for(held_copy.bytes_to_share(flat)):  # asked before copying anything
-            state = None
-        else:
-            state = held_copy.take(flat)  # GPU tensors land in host memory: the save must not wait for a write
-        if state is None:
-            if spare is not None:  # its memory is as it was: still the one to take again
-                self._spare.append(spare)
-            return False
-        self._held.append(_HeldSave(state, target, held_copy))
-        return True
-
-    def _shm_room_for(self, copy_bytes: int) -> bool:
-        """Whether /dev/shm can take `copy_bytes` of a new held copy, besides the held copies not
-        handed over yet (free space does not count them until then), leaving its headroom."""
-        held = [v for h in self._held for v in h.state.values() if isinstance(v, torch.Tensor)]
-        needed = copy_bytes + shared_memory_needed((tensor, False) for tensor in held).nbytes
-        free = shm_free_bytes()
-        if needed == 0 or free is None or needed + SHM_HEADROOM_BYTES <= free:
-            return True
-        if not self._said_no_shm:
-            self._said_no_shm = True
-            log.warning("asyncckpt: %s free in %s cannot take a held copy of %.1f MiB: saves that come while the "
-                        "worker is busy wait for it instead (enlarge %s, e.g. docker --shm-size, to avoid the wait)",
-                        f"{free / 2**20:.1f} MiB", SHM_DIR, needed / 2**20, SHM_DIR)
-        return False
-
-    def _advance(self, blocking: bool) -> None:
-        """Commit the save in flight once its writes end (`blocking`: wait for them), then hand
-        the next held save to the worker (once it is up, unless `blocking`). A failure reaches
-        Lightning at its next call."""
-        saver = self._saver
-        if saver.in_flight_dir is not None:
-            try:
-                saver.finalize(blocking=blocking)
-            except Exception as exc:  # the failed save removed its own files; Lightning hears of it next call
-                self._failed(str(exc))
-        if saver.in_flight_dir is not None:
-            return
-        if self._in_flight_copy is not None:  # staged and written: its memory serves the next held save
-            if not self._spare:  # one is kept; another (two saves held at once) is let go
-                self._spare.append(self._in_flight_copy)
-            self._in_flight_copy = None
-        if self._held and not saver.worker_alive:  # it died or was killed: start the next one now
-            saver.ensure_worker()
-        if self._held and (blocking or saver.worker_ready):  # not before: the hand-off would hold the lock
-            held = self._held.popleft()
-            try:
-                saver.schedule_save(held.state, checkpoint_dir=held.target, wait=False, cache_slot=HELD_SLOT)
-                self._in_flight_copy = held.copy
-            except Exception as exc:
-                self._failed(str(exc))
-
-    def _drain(self) -> None:
-        """Commit every save held or in flight."""
-        while self._saver is not None and (self._held or self._saver.in_flight_dir is not None):
-            self._advance(blocking=True)
-
-    def _finish_saves_of(self, target: str) -> None:
-        """Commit the saves writing `target` (and those before them), and (incremental) the one in
-        flight if it reuses its files."""
-        saver = self._saver
-        while saver is not None and (
-            any(held.target == target for held in self._held)
-            or saver.in_flight_dir == target
-            or target in saver.in_flight_base_dirs
-        ):
-            self._advance(blocking=True)
-
-    def _failed(self, message: str) -> None:
-        log.error("asynchronous checkpoint failed: %s", message)
-        self._failures.append(message)
-
-    def _raise_failures(self) -> None:
-        if self._failures:
-            failures, self._failures = self._failures, []
-            raise CheckpointError("; ".join(failures))
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise CheckpointError("this AsyncCheckpointIO is closed")
-
-    def _start_committer(self) -> None:
-        if self._committer is None or not self._committer.is_alive():
-            self._committer = threading.Thread(target=self._commit_loop, name="asyncckpt-lightning-commit", daemon=True)
-            self._committer.start()
-
-    def _commit_loop(self) -> None:
-        """Commit saves as their writes end and hand held saves over as the worker frees up, so a
-        checkpoint exists (and on_commit runs) without waiting for Lightning's next call. Polls
-        while a save is held or in flight; sleeps otherwise."""
-        while True:
-            with self._lock:
-                if self._closed:
-                    return
-                if self._saver is not None:
-                    self._advance(blocking=False)
-                pending = self._saver is not None and (bool(self._held) or self._saver.in_flight_dir is not None)
-                if not pending:
-                    self._wake.clear()  # under the lock: a save scheduled after this sets it again
-            if pending:
-                self._stop.wait(COMMIT_POLL_S)
-            else:
-                self._wake.wait(1.0)
+        self._saves.close()
 
 
-HELD_SLOT = 1  # the worker's cache slot for held copies (the trainer's own tensors use slot 0)
 # last.ckpt hard-links the files of the top-k save just before it (the same values): an event writes
 # its state once, not twice (in-fit overhead with both cores busy 14.2 % -> 6.6 % in bench_lightning)
 DEFAULT_CONFIG = CheckpointConfig(incremental=True)
-
-
-@dataclass
-class _HeldSave:
-    """A save copied while the worker was busy or starting, handed over in order."""
-
-    state: dict
-    target: str
-    copy: HeldCopy
 
 
 def _launched_as_global_rank_zero() -> bool:
@@ -403,14 +204,3 @@ def _mover(map_location: Any):
         device = torch.device(map_location)
         return lambda t: t.to(device)
     raise TypeError(f"map_location must be None, a device, a str or a dict, not {type(map_location).__name__}")
-
-
-@atexit.register
-def _close_all() -> None:
-    """Registered after asyncckpt.checkpointer's, so it runs first: commit through the plugin's
-    lock (its commit thread may be polling) before the checkpointers are closed."""
-    for plugin in list(_live):
-        try:
-            plugin.close()
-        except Exception as exc:  # said, with exit status 1, by at_exit.close_all (it runs next)
-            at_exit.report_failure(f"AsyncCheckpointIO: {exc}")

@@ -159,7 +159,7 @@ def test_load_checkpoint_returns_exactly_the_saved_dict_as_of_the_save(tmp_path)
 
 
 def _workers(plugin) -> list[psutil.Process]:
-    return [psutil.Process(plugin._saver.worker_pid)] if plugin._saver is not None else []
+    return [psutil.Process(plugin._saves.saver.worker_pid)] if plugin._saves.saver is not None else []
 
 
 def test_one_worker_serves_both_saves_of_an_event_and_a_steady_event_sends_no_tensors(tmp_path):
@@ -175,8 +175,8 @@ def test_one_worker_serves_both_saves_of_an_event_and_a_steady_event_sends_no_te
     try:
         [worker] = _workers(plugin)
         for _ in range(2400):  # the worker is up (a first save would otherwise be held too: tested below)
-            with plugin._lock:
-                if plugin._saver.worker_ready:
+            with plugin._saves.lock:
+                if plugin._saves.saver.worker_ready:
                     break
             threading.Event().wait(0.05)
         else:
@@ -212,22 +212,22 @@ def test_without_shared_memory_for_a_held_copy_the_second_save_waits_and_both_co
     held copy too: the second save of an event is not held (it would fail at hand-over) but waits
     for the first one's writes, once warned, without copying the state first; both checkpoints
     commit with their call's values."""
-    import asyncckpt.lightning as plugin_module
+    import asyncckpt.held_saves as held_saves
 
     plugin = AsyncCheckpointIO(CheckpointConfig(io_workers=1))
     model = {"w": torch.arange(1 << 20, dtype=torch.float32)}  # 4 MiB
     try:
-        with plugin._lock:
-            plugin._ensure_saver().ensure_worker()
+        with plugin._saves.lock:
+            plugin._saves.ensure_saver().ensure_worker()
         for _ in range(2400):
-            with plugin._lock:
-                if plugin._saver.worker_ready:
+            with plugin._saves.lock:
+                if plugin._saves.saver.worker_ready:
                     break
             threading.Event().wait(0.05)
-        monkeypatch.setattr(plugin_module, "shm_free_bytes", lambda: 2 << 20)  # no room for 4 more MiB
+        monkeypatch.setattr(held_saves, "shm_free_bytes", lambda: 2 << 20)  # no room for 4 more MiB
         copies = []
-        take = plugin_module.HeldCopy.take
-        monkeypatch.setattr(plugin_module.HeldCopy, "take", lambda self, state: copies.append(1) or take(self, state))
+        take = held_saves.HeldCopy.take
+        monkeypatch.setattr(held_saves.HeldCopy, "take", lambda self, state: copies.append(1) or take(self, state))
         for event in range(2):
             checkpoint = {"state_dict": model, "epoch": event}
             plugin.save_checkpoint(checkpoint, str(tmp_path / f"epoch={event}.ckpt"))
@@ -256,7 +256,7 @@ def test_the_first_saves_do_not_wait_for_the_workers_to_start(tmp_path):
         worker.suspend()
     returned = threading.Event()
     try:
-        if plugin._saver.worker_ready:
+        if plugin._saves.saver.worker_ready:
             pytest.skip("the worker finished starting before it could be stopped")
 
         def first_event() -> None:
@@ -293,16 +293,16 @@ def test_a_worker_killed_with_a_save_held_fails_that_save_and_the_held_one_commi
     try:
         [worker] = _workers(plugin)
         for _ in range(2400):
-            with plugin._lock:
-                if plugin._saver.worker_ready:
+            with plugin._saves.lock:
+                if plugin._saves.saver.worker_ready:
                     break
             threading.Event().wait(0.05)
         best = str(tmp_path / "epoch=0-step=1.ckpt")
         plugin.save_checkpoint({"state_dict": model, "step": 1}, best)
         worker.suspend()  # the top-k save stays in flight, so last.ckpt is held
         plugin.save_checkpoint({"state_dict": model, "step": 1}, str(tmp_path / "last.ckpt"))
-        with plugin._lock:
-            held = bool(plugin._held)
+        with plugin._saves.lock:
+            held = bool(plugin._saves.held)
         if not held:
             worker.resume()
             pytest.skip("the top-k save was written before the worker could be stopped")
@@ -335,7 +335,7 @@ def test_remove_during_an_in_flight_save_waits_and_it_never_reappears(tmp_path):
         plugin.save_checkpoint(state, str(tmp_path / "warm.ckpt"))
         plugin.teardown()
         plugin.save_checkpoint(state, path)  # staged; its writes are still to come
-        assert plugin._saver.in_flight_dir == path
+        assert plugin._saves.saver.in_flight_dir == path
         [worker] = _workers(plugin)
         worker.suspend()  # the save stays in flight until the worker goes on
         resume = threading.Timer(0.5, worker.resume)
@@ -525,7 +525,7 @@ def _rank0_alone(rank: int, world_size: int, root: str) -> None:
         plugin.remove_checkpoint(path)
     plugin.teardown()
     assert dist.distributed_c10d._world.group_count == groups_before, "the plugin created a process group"
-    assert rank == 0 or plugin._saver is None, "a rank that never saves started a worker"
+    assert rank == 0 or plugin._saves.saver is None, "a rank that never saves started a worker"
     plugin.close()
 
 
@@ -565,7 +565,7 @@ from asyncckpt.lightning import AsyncCheckpointIO
 plugin = AsyncCheckpointIO(CheckpointConfig(timeout_s=5), max_in_flight=1)
 plugin.save_checkpoint({"state_dict": {"w": torch.zeros(1 << 16)}, "epoch": 0}, sys.argv[1] + "/a.ckpt")
 plugin.wait()  # its worker is up and one save committed
-worker = psutil.Process(plugin._saver.worker_pid)
+worker = psutil.Process(plugin._saves.saver.worker_pid)
 for process in [worker, *worker.children(recursive=True)]:  # from now on its writes fail (EFBIG)
     process.rlimit(resource.RLIMIT_FSIZE, (1, 1))
 plugin.save_checkpoint({"state_dict": {"w": torch.ones(1 << 16)}, "epoch": 1}, sys.argv[1] + "/b.ckpt")
