@@ -12,11 +12,12 @@ more on the caller's thread (tmpfs pages are allocated, zeroed and faulted in on
 from __future__ import annotations
 
 import copy
-import mmap
 from typing import Any, Optional
 
 import torch
 from torch.distributed.tensor import DTensor
+
+from .snapshot import shm_bytes
 
 _COPYABLE = (torch.Tensor, torch.nn.Parameter, DTensor)
 
@@ -66,7 +67,7 @@ class HeldCopy:
         if (target is not None and target.shape == state.shape and target.dtype == state.dtype
                 and target.untyped_storage().is_shared()):
             return 0
-        return -(-state.numel() * state.element_size() // mmap.PAGESIZE) * mmap.PAGESIZE
+        return shm_bytes(state.numel() * state.element_size())
 
     def _copy(self, state: Any, path: tuple, used: dict) -> Any:
         if isinstance(state, dict):

@@ -135,9 +135,14 @@ def shared_memory_needed(resolved) -> SharingNeeds:
             nbytes = storage.nbytes()
         else:
             nbytes = tensor.numel() * tensor.element_size()
-        needs.nbytes += -(-nbytes // _PAGE) * _PAGE
+        needs.nbytes += shm_bytes(nbytes)
         needs.segments += 1
     return needs
+
+
+def shm_bytes(nbytes: int) -> int:
+    """What `nbytes` take in /dev/shm: whole pages."""
+    return -(-nbytes // _PAGE) * _PAGE
 
 
 def ensure_fd_room(new_segments: int, open_fds: Optional[int] = None, limits: Optional[tuple] = None) -> None:
