@@ -22,15 +22,15 @@ log = logging.getLogger(__name__)
 
 POLL_SLICE_S = 0.05
 DIRECT_SEND_BYTES = 64 << 10  # well under a Unix socket's send buffer (about 200 KiB on Linux)
-STARTUP_TIMEOUT_S = 300.0  # a fresh worker imports torch (seconds; minutes on a cold network FS)
 SHUTDOWN_SEND_S = 2.0  # a Shutdown message is tiny; a worker that does not take it gets killed
 WORKER_EXIT_S = 10.0  # a worker that said it exits (SaveFailed.worker_exits) does so at once
 _spawn_lock = threading.Lock()
 
 
 class WorkerClient:
-    def __init__(self, settings: WorkerSettings) -> None:
+    def __init__(self, settings: WorkerSettings, start_timeout_s: float) -> None:
         self.settings = settings
+        self.start_timeout_s = start_timeout_s  # the bound on waits while the worker starts up
         self._process = None
         self._conn = None
         self._inbox: list = []
@@ -124,8 +124,8 @@ class WorkerClient:
             self._process.kill()
             self._process.join(5)
             raise CheckpointTimeoutError(
-                f"rank {self.settings.rank}: worker pid {pid} did not take the save request within "
-                f"{timeout_s:.1f}s; killed it"
+                f"rank {self.settings.rank}: worker pid {pid} did not take the save request "
+                f"{self.bound_text(timeout_s)}; killed it"
             ) from None
         except (OSError, EOFError) as exc:
             raise self._died(f"while sending the request ({exc})") from exc
@@ -157,7 +157,7 @@ class WorkerClient:
                 if remaining <= 0:
                     names = "/".join(k.__name__ for k in kinds)
                     raise CheckpointTimeoutError(
-                        f"rank {self.settings.rank}: no {names} from worker pid {self.pid} within {timeout_s:.1f}s"
+                        f"rank {self.settings.rank}: no {names} from worker pid {self.pid} {self.bound_text(timeout_s)}"
                     )
 
     def _receive(self, wait_s: float) -> bool:
@@ -182,7 +182,13 @@ class WorkerClient:
 
     def allowance(self, timeout_s: float) -> float:
         """A wait's bound: `timeout_s`, or more while the worker has not said Ready yet."""
-        return timeout_s if self.ready else max(timeout_s, STARTUP_TIMEOUT_S)
+        return timeout_s if self.ready else max(timeout_s, self.start_timeout_s)
+
+    def bound_text(self, timeout_s: float) -> str:
+        """The bound a timed-out wait had, for its error (which setting to raise)."""
+        if self.ready or self.start_timeout_s <= timeout_s:
+            return f"within {timeout_s:.1f}s"
+        return f"within {self.start_timeout_s:.1f}s: it had not started up (CheckpointConfig.worker_start_timeout_s)"
 
     def _died(self, when: str) -> WorkerDiedError:
         process = self._process

@@ -31,7 +31,10 @@ class CheckpointConfig:
     checksums: record a CRC32C per item, checked by `load(..., verify=True)` and `verify`.
     keep_last: keep this many newest committed checkpoints (None keeps all).
     timeout_s: bound on waiting for staging and, separately, for the writes of one save (a fresh
-        worker's start-up, a torch import, is bounded separately by 300 s).
+        worker's start-up is bounded by worker_start_timeout_s instead, when that is longer).
+    worker_start_timeout_s: bound on a fresh worker's start-up (an interpreter importing torch:
+        seconds on a local disk, minutes where thousands of ranks import from one network file
+        system at once); a worker not up by then fails the save waiting for it.
     worker_nice: nice increment for the worker's writer threads/processes (None: the trainer's);
         staging, which the trainer waits for, always keeps the trainer's priority.
     worker_ionice: "best-effort" (lowest level, the default) or "idle" I/O class for the worker,
@@ -55,6 +58,7 @@ class CheckpointConfig:
     checksums: bool = True
     keep_last: Optional[int] = None
     timeout_s: float = 600.0
+    worker_start_timeout_s: float = 300.0
     worker_nice: Optional[int] = 10
     worker_ionice: Optional[str] = "best-effort"
     separation_hint: Optional[str] = None
@@ -75,8 +79,10 @@ class CheckpointConfig:
             _require_int(self, "staging_budget_bytes", minimum=1 << 20)
         if self.worker_nice is not None:
             _require_int(self, "worker_nice", minimum=0)
-        if not isinstance(self.timeout_s, (int, float)) or isinstance(self.timeout_s, bool) or self.timeout_s <= 0:
-            raise ValueError(f"CheckpointConfig.timeout_s={self.timeout_s!r} must be a positive number of seconds")
+        for name in ("timeout_s", "worker_start_timeout_s"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < float("inf"):
+                raise ValueError(f"CheckpointConfig.{name}={value!r} must be a positive number of seconds")
         for name in ("cache_structure", "fsync", "checksums", "incremental"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"CheckpointConfig.{name}={getattr(self, name)!r} must be True or False")

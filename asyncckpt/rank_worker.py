@@ -56,7 +56,7 @@ class RankWorker:
             ionice=self.config.worker_ionice,
             cuda_device=cuda_device,
         )
-        self._client = WorkerClient(settings)
+        self._client = WorkerClient(settings, self.config.worker_start_timeout_s)
         self._client.start()
         self._holds = [None] * CACHE_SLOTS
 
@@ -157,8 +157,8 @@ class RankWorker:
         """A non-blocking poll found no answer: fine, unless the save is past its bound."""
         if time.monotonic() > flight.deadline:
             raise CheckpointTimeoutError(
-                f"rank {self.rank}: no {awaited} from worker pid {self.pid} within "
-                f"{self.config.timeout_s:.1f}s; killed it"
+                f"rank {self.rank}: no {awaited} from worker pid {self.pid} "
+                f"{self._client.bound_text(self.config.timeout_s)}; killed it"
             )
         return None
 

@@ -36,7 +36,7 @@ def config(**overrides) -> CheckpointConfig:
 
 def retime(ckpt: AsyncCheckpointer, timeout_s: float) -> None:
     """Change timeout_s of a live checkpointer (tests tighten it once the worker is known to be
-    up; a fresh worker's start-up is bounded by client.STARTUP_TIMEOUT_S, not timeout_s)."""
+    up; a fresh worker's start-up is bounded by config.worker_start_timeout_s, not timeout_s)."""
     ckpt.config = replace(ckpt.config, timeout_s=timeout_s)
 
 
@@ -254,6 +254,37 @@ def test_stuck_worker_times_out_is_killed_and_replaced(ckpt_root):
         assert_recovers_after_stuck_worker(ckpt, state, ckpt_root, pid)
 
 
+def test_worker_stuck_in_its_start_up_fails_the_save_within_worker_start_timeout_s(ckpt_root):
+    """A worker that never finishes starting (frozen while it imports torch, as on an overloaded
+    network file system) fails the save waiting for it at worker_start_timeout_s, said so in the
+    error; the next save starts a fresh worker and commits."""
+    start_timeout_s = 3.0
+    state = big_state(1)
+    with AsyncCheckpointer(ckpt_root, config(timeout_s=1.0, worker_start_timeout_s=start_timeout_s)) as ckpt:
+        pid = ckpt.worker_pid  # spawned by the constructor, still importing torch
+        os.kill(pid, signal.SIGSTOP)
+        started = time.monotonic()
+        with pytest.raises(CheckpointError, match=r"within 3.0s: it had not started up .CheckpointConfig.worker_start_timeout_s"):
+            ckpt.schedule_save(state, step=1)
+            ckpt.finalize(blocking=True)
+        elapsed = time.monotonic() - started
+        assert start_timeout_s <= elapsed < start_timeout_s + 30  # the start-up bound, not timeout_s
+        wait_gone(pid, 10)  # killed, not left stopped
+        assert committed_steps(ckpt_root) == []
+        retime(ckpt, 120.0)  # the fresh worker's start-up may take longer than 3 s on a busy box
+        ckpt.schedule_save(state, step=2)
+        ckpt.finalize(blocking=True)
+        assert ckpt.worker_pid != pid
+    assert committed_steps(ckpt_root) == [2]
+    assert_loads(ckpt_root, 2, clone_state(state))
+
+
+def test_worker_start_timeout_s_is_checked():
+    for bad in (0, -1.0, float("inf"), "60", True):
+        with pytest.raises(ValueError, match="worker_start_timeout_s"):
+            CheckpointConfig(worker_start_timeout_s=bad)
+
+
 def test_non_blocking_finalize_fails_a_save_past_its_timeout(ckpt_root):
     """A training loop that only ever polls finalize() still learns, within timeout_s, that its
     worker stopped answering mid-write; every poll returns at once; the next save recovers."""
@@ -326,7 +357,7 @@ def test_request_larger_than_the_socket_buffer_to_a_stuck_worker_times_out(ckpt_
     trainer = psutil.Process()
     with AsyncCheckpointer(ckpt_root, config(timeout_s=timeout_s)) as ckpt:
         ckpt.schedule_save({"tiny": torch.ones(1)}, step=0)  # the worker is up (a stuck start-up
-        ckpt.finalize(blocking=True)  # is bounded by client.STARTUP_TIMEOUT_S instead)
+        ckpt.finalize(blocking=True)  # is bounded by worker_start_timeout_s instead)
         pid = ckpt.worker_pid
         os.kill(pid, signal.SIGSTOP)
         fds_before = trainer.num_fds()
