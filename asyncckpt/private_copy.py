@@ -61,8 +61,11 @@ class HeldCopy:
             return sum(self.bytes_to_share(v, path + (k,)) for k, v in state.items())
         if isinstance(state, (list, tuple)):
             return sum(self.bytes_to_share(v, path + (i,)) for i, v in enumerate(state))
-        if not isinstance(state, torch.Tensor) or type(state) is DTensor:
+        if not isinstance(state, torch.Tensor):
             return 0
+        if type(state) is DTensor:  # cloned afresh by every take: its local shard moves into shared memory
+            local = state.to_local()
+            return shm_bytes(local.numel() * local.element_size()) if local.device.type == "cpu" else 0
         target = self._tensors.get(path)
         if (target is not None and target.shape == state.shape and target.dtype == state.dtype
                 and target.untyped_storage().is_shared()):

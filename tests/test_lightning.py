@@ -245,6 +245,41 @@ def test_without_shared_memory_for_a_held_copy_the_second_save_waits_and_both_co
     assert copies == [], "a copy was taken only to be thrown away"
 
 
+def _held_copy_counts_a_dtensors_shard(rank: int, world: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from asyncckpt.private_copy import HeldCopy
+    from asyncckpt.snapshot import shm_bytes
+
+    mesh = init_device_mesh("cpu", (world,))
+    state = {"w": distribute_tensor(torch.ones(300, 100), mesh, [Shard(0)]), "b": torch.ones(10)}
+    held = HeldCopy()
+    assert held.bytes_to_share(state) == shm_bytes(300 * 100 * 4 // world) + shm_bytes(40)
+    held.take(state)["b"].share_memory_()  # as a save does; the DTensor is cloned afresh by every take
+    assert held.bytes_to_share(state) == shm_bytes(300 * 100 * 4 // world)
+
+
+def test_a_held_copy_says_how_much_shared_memory_its_save_needs():
+    """What the plugin checks against /dev/shm's free space before holding a copy: nothing for a
+    tensor that lands in memory the previous copy already shared, its page-rounded bytes for a
+    fresh one (a new shape, a DTensor's local shard)."""
+    from asyncckpt.private_copy import HeldCopy
+    from asyncckpt.snapshot import shm_bytes
+    from multirank import run_ranks
+
+    held = HeldCopy()
+    state = {"w": torch.ones(1000), "meta": {"n": 3, "bias": torch.ones(5)}}
+    assert held.bytes_to_share(state) == shm_bytes(4000) + shm_bytes(20)
+    taken = held.take(state)
+    assert held.bytes_to_share(state) == shm_bytes(4000) + shm_bytes(20)  # taken, not yet shared
+    taken["w"].share_memory_()
+    taken["meta"]["bias"].share_memory_()
+    assert held.bytes_to_share(state) == 0
+    assert held.bytes_to_share({"w": torch.ones(2000), "meta": state["meta"]}) == shm_bytes(8000)
+    run_ranks(_held_copy_counts_a_dtensors_shard, 1)
+
+
 def test_the_first_saves_do_not_wait_for_the_workers_to_start(tmp_path):
     """ModelCheckpoint's first event (a top-k save and last.ckpt) comes while the worker the
     plugin spawned is still starting: both saves return once copied, even though it cannot run
