@@ -65,7 +65,7 @@ import os
 from asyncckpt.client import WorkerClient
 from asyncckpt.protocol import WorkerSettings
 
-client = WorkerClient(WorkerSettings(rank=0, parent_pid=os.getpid()))
+client = WorkerClient(WorkerSettings(rank=0, parent_pid=os.getpid()), start_timeout_s=300.0)
 client.start()
 process = client._process
 client._conn.close()  # the trainer lets go of the worker while it is still starting
