@@ -16,6 +16,19 @@ pair: each fit's time beyond its own steps at their median speed (StepClock), le
 in the fit without checkpoints; the box's speed drifts over minutes, and this compares a fit with
 itself. It counts everything a save adds to the fit except a slowdown of every step alike.
 
+Both still move by several percent when another tenant's burst lands anywhere in a fit. The
+local figures look only near the checkpoints, each against the steps just before it: an event's
+cost is the time of the `--window` steps from it on (its blocked saves, and the steps slowed
+while its writes run: a few steps here) less that of the `--window` steps before it; the
+start's cost is the fit's set-up before its first step plus its first `--window` steps (the
+worker starts beside them), less the next `--window` steps; the end's cost is the time from the
+last step's start to fit's return (its saves, and the wait for their writes in teardown). Each
+is a median over rounds (the events after the first: over all of them in every round; the first
+apart, as it pays one-time costs), less the same figure of the fits without checkpoints
+(Lightning's own work at those steps, e.g. logging every 50 steps). The local overhead adds them
+up as the fit meets them (the start, the first event, the later ones but the last, the end) over
+the time of the fit's steps without checkpoints.
+
 Two configurations run, each with every method side by side: the short one (40 steps, an event
 every 10: a save every ~0.7 s of training, more checkpoint than training: no IO fits in 5% of
 that) and a representative one (400 steps, an event every 100: several seconds of training
@@ -106,7 +119,21 @@ def fit(method: str, args, steps: int, every: int, root: str) -> dict:
     step_s = statistics.median(b - a for a, b in zip(clock.starts, clock.starts[1:]))
     return {"method": method, "fit_s": total, "cpu_s": cpu, "saves": len(blocked), "state_mb": state_mb,
             "blocked_first_event_s": blocked[:2], "blocked_steady_s": blocked[2:],
-            "median_step_s": step_s, "excess": total / (steps * step_s) - 1}
+            "median_step_s": step_s, "excess": total / (steps * step_s) - 1,
+            **local_costs(started, clock.starts, started + total, every, args.window)}
+
+
+def local_costs(fit_start: float, starts: list[float], fit_end: float, every: int, window: int) -> dict:
+    """The fit's time near its checkpoints, each part against the steps just before it (see the
+    module's docstring): the start, each event that has `window` steps after it, the end."""
+    window = min(window, every // 2)
+    steps = [b - a for a, b in zip(starts, starts[1:])]  # steps[i]: step i, its checkpoint event included
+    events = range(every - 1, len(steps) - window + 1, every)
+    return {
+        "start_cost_s": starts[0] - fit_start + sum(steps[:window]) - sum(steps[window:2 * window]),
+        "event_costs_s": [sum(steps[i:i + window]) - sum(steps[i - window:i]) for i in events],
+        "end_s": fit_end - starts[-1], "steps_s": steps,
+    }
 
 
 class StepClock(L.Callback):
@@ -151,8 +178,13 @@ def run_config(args, steps: int, every: int, root: str) -> dict:
         print(f"  round {round_ + 1}/{args.rounds} done", flush=True)
     baseline = statistics.median(r["fit_s"] for r in runs["none"])
     baseline_cpu = statistics.median(r["cpu_s"] for r in runs["none"])
+    baseline_steps_s = statistics.median(r["median_step_s"] for r in runs["none"]) * steps
+    none_local = _local_medians(runs["none"])
     table = []
     for method in METHODS[1:]:
+        local = {part: cost - none_local[part] for part, cost in _local_medians(runs[method]).items()}
+        later_events = len(runs[method][0]["event_costs_s"]) - 1
+        local_total = local["start"] + local["first_event"] + later_events * local["event"] + local["end"]
         fits = [r["fit_s"] for r in runs[method]]
         steady = [b for r in runs[method] for b in r["blocked_steady_s"]]
         table.append({
@@ -160,6 +192,9 @@ def run_config(args, steps: int, every: int, root: str) -> dict:
             "overhead": statistics.median(ratios[method]) - 1,
             "overhead_range": (min(ratios[method]) - 1, max(ratios[method]) - 1),
             "in_fit_overhead": statistics.median(in_fit[method]), "in_fit_range": (min(in_fit[method]), max(in_fit[method])),
+            "start_cost_s": local["start"], "first_event_cost_s": local["first_event"], "event_cost_s": local["event"],
+            "end_cost_s": local["end"],
+            "local_overhead": local_total / baseline_steps_s,
             "extra_cpu_s": statistics.median(r["cpu_s"] for r in runs[method]) - baseline_cpu,
             "blocked_first_event_s": [statistics.median(r["blocked_first_event_s"][i] for r in runs[method])
                                       for i in range(len(runs[method][0]["blocked_first_event_s"]))],
@@ -173,16 +208,33 @@ def run_config(args, steps: int, every: int, root: str) -> dict:
     none_excess = statistics.median(r["excess"] for r in runs["none"])
     print(f"in-fit overhead: the fit's time beyond {steps} of its own median steps, less the same excess of its pair's "
           f"fit without checkpoints (median {none_excess:.1%}); it does not drift with the box's speed")
-    print(f"{'method':<16} {'fit s':>8} {'overhead':>9} {'(min..max)':>16} {'in-fit':>7} {'(min..max)':>16} {'extra CPU s':>12} "
+    later_events = len(runs["none"][0]["event_costs_s"]) - 1
+    print(f"local: the start, the first event, each later one (median of {args.rounds * later_events} per method) "
+          f"and the end against the steps just before them, less the same in the fits without checkpoints; "
+          f"local overhead: start + 1st event + {later_events} events + end over {baseline_steps_s:.1f} s of steps")
+    print(f"{'method':<16} {'fit s':>8} {'overhead':>9} {'(min..max)':>16} {'in-fit':>7} {'(min..max)':>16} "
+          f"{'start s':>8} {'1st event s':>12} {'event s':>8} {'end s':>7} {'local':>6} {'extra CPU s':>12} "
           f"{'saves':>6} {'blocked 1st event':>18} {'blocked/save after':>19} {'max':>8}")
     for r in table:
         first = " + ".join(f"{b:.3f}" for b in r["blocked_first_event_s"])
         low, high = r["overhead_range"]
         in_low, in_high = r["in_fit_range"]
         print(f"{r['method']:<16} {r['fit_s']:>8.2f} {r['overhead']:>8.1%} {f'({low:.1%}..{high:.1%})':>16} "
-              f"{r['in_fit_overhead']:>6.1%} {f'({in_low:.1%}..{in_high:.1%})':>16} {r['extra_cpu_s']:>12.2f} "
+              f"{r['in_fit_overhead']:>6.1%} {f'({in_low:.1%}..{in_high:.1%})':>16} "
+              f"{r['start_cost_s']:>8.3f} {r['first_event_cost_s']:>12.3f} {r['event_cost_s']:>8.3f} {r['end_cost_s']:>7.3f} "
+              f"{r['local_overhead']:>6.1%} "
+              f"{r['extra_cpu_s']:>12.2f} "
               f"{r['saves']:>6} {first:>17}s {r['blocked_mean_s']:>18.3f}s {r['blocked_max_s']:>7.3f}s", flush=True)
     return {"steps": steps, "every": every, "baseline_fit_s": baseline, "rows": table, "runs": runs}
+
+
+def _local_medians(runs: list[dict]) -> dict:
+    """The median start, first event, later event and end cost over fits (later events: over
+    every one of every fit)."""
+    return {"start": statistics.median(r["start_cost_s"] for r in runs),
+            "first_event": statistics.median(r["event_costs_s"][0] for r in runs),
+            "event": statistics.median(c for r in runs for c in r["event_costs_s"][1:]),
+            "end": statistics.median(r["end_s"] for r in runs)}
 
 
 def main() -> None:
@@ -196,6 +248,8 @@ def main() -> None:
     parser.add_argument("--long-every", type=int, default=100, help="the representative fit's checkpoint interval")
     parser.add_argument("--threads", type=int, help="torch threads for the fits (default: torch's, every core); "
                         "fewer leaves cores free, as on a GPU node whose CPU is mostly idle")
+    parser.add_argument("--window", type=int, default=20, help="steps after (and before) a checkpoint event that "
+                        "its local cost counts (at most half the interval)")
     parser.add_argument("--rounds", type=int, default=3, help="pairs (a method, a fit without checkpoints) per method and configuration; medians")
     parser.add_argument("--dir", help="where checkpoints go (default: a temporary directory)")
     parser.add_argument("--out", help="write the rows as JSON here")
