@@ -61,7 +61,7 @@ class AsyncCheckpointer:
         if self.root is not None:
             storage_for(self.root)  # an unsupported URL fails here, not at the first save
         self._config = config
-        self._group = RankGroup(process_group, config.timeout_s, no_dist=no_dist)
+        self._group = RankGroup(process_group, config, no_dist=no_dist)
         self.rank = self._group.rank
         self._planning = Planning(planner_factory)
         self._in_flight: Optional[InFlightSave] = None
@@ -260,7 +260,7 @@ class AsyncCheckpointer:
         if flight.outcome is None:
             flight.outcome = self._worker.outcome(flight, blocking)
         ident = -1 if flight.step is None else flight.step
-        bound, pending = finalize_bound_s(self.config.timeout_s), flight.outcome is None
+        bound, pending = finalize_bound_s(self.config, flight.to_starting_worker), flight.outcome is None
         not_done, gave_up = self._group.agree_finished(pending, blocking, ident, bound)
         if not_done and not gave_up:
             return

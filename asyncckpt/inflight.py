@@ -28,6 +28,8 @@ class InFlightSave:
     collectives_before: int = 0
     file_tag: str = ""  # set when the save replaces a committed checkpoint of the same step, or links files (incremental)
     deadline: float = 0.0  # monotonic: past it, a poll that finds no answer fails the save (timeout_s)
+    deadline_says: str = ""  # the bound behind `deadline`, as its timeout error says it
+    to_starting_worker: bool = False  # sent before the worker was up: its bounds include the start-up
     staged: Optional[Staged] = None
     error: Optional[str] = None  # this rank's part failed before the worker could report
     outcome: Optional[RankOutcome] = None  # kept until every rank has finished its part

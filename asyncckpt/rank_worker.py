@@ -88,7 +88,9 @@ class RankWorker:
             torch.cuda.current_stream().synchronize()  # the worker must see finished values
         self._client.send(request, self.config.timeout_s)
         flight.save_id, flight.tensors_sent = request.save_id, len(request.fresh_tensors)
+        flight.to_starting_worker = not self._client.ready
         flight.deadline = time.monotonic() + self._client.allowance(self.config.timeout_s)  # start-up
+        flight.deadline_says = self._client.bound_text(self.config.timeout_s)
         self._holds[request.slot] = WorkerHolds(snapshot.structure_key, snapshot.fingerprints, snapshot.tensors)
 
     def request_for(
@@ -152,13 +154,13 @@ class RankWorker:
     def _mark_staged(self, flight: InFlightSave, staged: Staged) -> None:
         flight.staged = staged
         flight.deadline = time.monotonic() + self.config.timeout_s  # the writes get their own bound
+        flight.deadline_says = f"within {self.config.timeout_s:.1f}s"
 
     def _unless_overdue(self, flight: InFlightSave, awaited: str) -> None:
         """A non-blocking poll found no answer: fine, unless the save is past its bound."""
         if time.monotonic() > flight.deadline:
             raise CheckpointTimeoutError(
-                f"rank {self.rank}: no {awaited} from worker pid {self.pid} "
-                f"{self._client.bound_text(self.config.timeout_s)}; killed it"
+                f"rank {self.rank}: no {awaited} from worker pid {self.pid} {flight.deadline_says}; killed it"
             )
         return None
 

@@ -3,7 +3,7 @@
 Every agreement carries a per-checkpointer call counter, so ranks that called schedule_save or
 finalize a different number of times get a CheckpointError instead of a silent mismatch.
 Without a `process_group` the collectives run on a gloo group of their own whose timeout follows
-`timeout_s`, so a rank that died or stopped calling fails the others within that bound instead
+`timeout_s` and `worker_start_timeout_s`, so a rank that died or stopped calling fails the others within that bound instead
 of holding them for the default group's timeout (and an NCCL-only job needs no extra group).
 A collective that failed leaves the group unusable: later calls raise at once.
 With one process (no process group) every collective is a local no-op.
@@ -18,28 +18,32 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from .config import CheckpointConfig
 from .errors import CheckpointError
 
 
 _CALL_KINDS = {"schedule_save": 1, "finalize": 2}
 
 
-def collective_timeout_s(timeout_s: float) -> float:
+def collective_timeout_s(config: CheckpointConfig) -> float:
     """How long a rank waits for the others in one collective. Longer than the longest wait a
-    healthy rank does on its own worker between two collectives (a blocking finalize: Staged,
-    then the writes, each up to `timeout_s`), plus a margin for a fresh worker's start-up, so a
-    rank whose own wait ran out reaches the collective and reports its cause."""
-    return 2 * timeout_s + 30.0
+    healthy rank does on its own worker between two collectives (a blocking finalize on a fresh
+    worker: its start-up, then Staged and the writes, each up to `timeout_s`), plus a margin, so
+    a rank whose own wait ran out reaches the collective and reports its cause."""
+    return config.worker_start_timeout_s + 2 * config.timeout_s + 10.0
 
 
-def finalize_bound_s(timeout_s: float) -> float:
+def finalize_bound_s(config: CheckpointConfig, to_starting_worker: bool) -> float:
     """How long a blocking finalize whose own rank is done waits for the others: a healthy rank
-    needs at most `timeout_s` for Staged and `timeout_s` for its writes."""
-    return 2 * timeout_s
+    needs at most `timeout_s` for Staged and `timeout_s` for its writes, after its worker's
+    start-up when the save went to a worker still starting (the ranks start theirs together)."""
+    return 2 * config.timeout_s + (config.worker_start_timeout_s if to_starting_worker else 0.0)
 
 
 class RankGroup:
-    def __init__(self, process_group: Optional[Any] = None, timeout_s: float = 600.0, no_dist: bool = False) -> None:
+    def __init__(
+        self, process_group: Optional[Any] = None, config: CheckpointConfig = CheckpointConfig(), no_dist: bool = False
+    ) -> None:
         """`no_dist`: this process saves on its own (e.g. Lightning calls its CheckpointIO on rank 0
         only) even inside a distributed job: no collective, no group of its own."""
         if no_dist and process_group is not None:
@@ -60,7 +64,7 @@ class RankGroup:
                     "pass a gloo group, e.g. process_group=dist.new_group(backend='gloo')"
                 )
         elif self.size > 1:  # every rank constructs its checkpointer, so every rank creates this
-            timeout = timedelta(seconds=collective_timeout_s(timeout_s))
+            timeout = timedelta(seconds=collective_timeout_s(config))
             process_group = dist.new_group(backend="gloo", timeout=timeout)
         self.pg = process_group
         self._coordinator = dist.get_global_rank(process_group, 0) if self.distributed and process_group else 0

@@ -238,7 +238,7 @@ def _group_for(key) -> Optional[Any]:
         return None
     from datetime import timedelta
 
-    timeout = timedelta(seconds=collective_timeout_s(_config.timeout_s))
+    timeout = timedelta(seconds=collective_timeout_s(_config))
     return dist.new_group(dist.get_process_group_ranks(key), backend="gloo", timeout=timeout, use_local_synchronization=True)
 
 

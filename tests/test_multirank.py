@@ -318,8 +318,8 @@ def test_mismatched_call_counts_are_reported_on_every_rank_not_hung(tmp_path):
 
 
 def _one_rank_stops_calling(rank: int, world: int, root: str, out: str) -> None:
-    config = CheckpointConfig(timeout_s=2)
-    bound = collective_timeout_s(config.timeout_s)
+    config = CheckpointConfig(timeout_s=2, worker_start_timeout_s=30)
+    bound = collective_timeout_s(config)
     ckpt = AsyncCheckpointer(root, config)
     ckpt.schedule_save({"w": torch.full((4,), float(rank))}, step=1)
     if rank == 1:  # stuck (a hung data loader, a bug): reaches finalize only after rank 0 gave up
