@@ -22,12 +22,13 @@ cost is the time of the `--window` steps from it on (its blocked saves, and the 
 while its writes run: a few steps here) less that of the `--window` steps before it; the
 start's cost is the fit's set-up before its first step plus its first `--window` steps (the
 worker starts beside them), less the next `--window` steps; the end's cost is the time from the
-last step's start to fit's return (its saves, and the wait for their writes in teardown). Each
-is a median over rounds (the events after the first: over all of them in every round; the first
-apart, as it pays one-time costs), less the same figure of the fits without checkpoints
-(Lightning's own work at those steps, e.g. logging every 50 steps). The local overhead adds them
-up as the fit meets them (the start, the first event, the later ones but the last, the end) over
-the time of the fit's steps without checkpoints.
+last step's start to fit's return (its saves, and the wait for their writes in teardown). A
+fit's local total adds all of them (the start, every event, the end); the local overhead is
+that total less its pair's, over the time of the fit's steps without checkpoints (median and
+range over rounds). The parts are shown apart: the start, the first event (it pays one-time
+costs) and the end as medians over rounds, the later events as the mean over all of them, each
+less the same figure of the fits without checkpoints (Lightning's own work at those steps, e.g.
+logging every 50 steps).
 
 Two configurations run, each with every method side by side: the short one (40 steps, an event
 every 10: a save every ~0.7 s of training, more checkpoint than training: no IO fits in 5% of
@@ -38,6 +39,7 @@ between events, as real jobs checkpoint far less often than every second).
     python benchmarks/bench_lightning.py --threads 1           # the fit on one core, one left free
     python benchmarks/bench_lightning.py --steps 0 --rounds 5  # the representative fit only, more rounds
     python benchmarks/bench_lightning.py --width 2048 --steps 80 --out bench_out/bench_lightning.json
+    python benchmarks/bench_lightning.py --report bench_out/bench_lightning.json  # its tables again
 """
 
 from __future__ import annotations
@@ -126,7 +128,7 @@ def fit(method: str, args, steps: int, every: int, root: str) -> dict:
 def local_costs(fit_start: float, starts: list[float], fit_end: float, every: int, window: int) -> dict:
     """The fit's time near its checkpoints, each part against the steps just before it (see the
     module's docstring): the start, each event that has `window` steps after it, the end."""
-    window = min(window, every // 2)
+    window = min(window, (every - 1) // 2)  # the start's steps and the first event's stay apart
     steps = [b - a for a, b in zip(starts, starts[1:])]  # steps[i]: step i, its checkpoint event included
     events = range(every - 1, len(steps) - window + 1, every)
     return {
@@ -161,79 +163,106 @@ def run_config(args, steps: int, every: int, root: str) -> dict:
     """Every method's fit in one configuration, each paired with a fit without checkpoints run
     right before or after it (alternating), `args.rounds` times. This shared box's speed drifts
     by 10-20 % over minutes, far more than the few percent measured: a method's overhead is the
-    median over rounds of its fit time over its own pair's fit without checkpoints."""
+    median over rounds of its fit time over its own pair's fit without checkpoints. The fits
+    without checkpoints are kept in pair order (`_pairs`)."""
     runs: dict[str, list[dict]] = {m: [] for m in METHODS}
-    ratios: dict[str, list[float]] = {m: [] for m in METHODS[1:]}
-    in_fit: dict[str, list[float]] = {m: [] for m in METHODS[1:]}
     for round_ in range(args.rounds):
         for method in METHODS[1:]:
             order = (method, "none") if (round_ + METHODS.index(method)) % 2 else ("none", method)
-            pair = {}
             for which in order:
-                pair[which] = fit(which, args, steps, every, root)
-                runs[which].append(pair[which])
+                runs[which].append(fit(which, args, steps, every, root))
                 shutil.rmtree(os.path.join(root, which), ignore_errors=True)
-            ratios[method].append(pair[method]["fit_s"] / pair["none"]["fit_s"])
-            in_fit[method].append(pair[method]["excess"] - pair["none"]["excess"])
         print(f"  round {round_ + 1}/{args.rounds} done", flush=True)
-    baseline = statistics.median(r["fit_s"] for r in runs["none"])
-    baseline_cpu = statistics.median(r["cpu_s"] for r in runs["none"])
-    baseline_steps_s = statistics.median(r["median_step_s"] for r in runs["none"]) * steps
-    none_local = _local_medians(runs["none"])
+    result = {"steps": steps, "every": every, "runs": runs, "threads": torch.get_num_threads(),
+              "cpus": os.cpu_count(), "load_average": os.getloadavg()[0]}
+    result["rows"] = report(result)
+    return result
+
+
+def _pairs(runs: dict, method: str) -> list[tuple[dict, dict]]:
+    """(the method's fit, the fit without checkpoints beside it) per round."""
+    index = METHODS.index(method) - 1
+    return [(fit_, runs["none"][round_ * (len(METHODS) - 1) + index]) for round_, fit_ in enumerate(runs[method])]
+
+
+def _local_total_s(run: dict) -> float:
+    """A fit's time near its checkpoints beyond the steps just before them: the start, every
+    event and the end."""
+    return run["start_cost_s"] + sum(run["event_costs_s"]) + run["end_s"]
+
+
+def _median_or_nan(values) -> float:
+    values = list(values)
+    return statistics.median(values) if values else float("nan")
+
+
+def _mean_or_nan(values) -> float:
+    values = list(values)
+    return statistics.mean(values) if values else float("nan")
+
+
+def report(result: dict) -> list[dict]:
+    """Print one configuration's table (see the module's docstring) and return its rows."""
+    runs, steps = result["runs"], result["steps"]
+    none = runs["none"]
+    baseline = statistics.median(r["fit_s"] for r in none)
+    baseline_cpu = statistics.median(r["cpu_s"] for r in none)
+    baseline_steps_s = statistics.median(r["median_step_s"] for r in none) * steps
+    none_parts = _local_parts(none)
     table = []
     for method in METHODS[1:]:
-        local = {part: cost - none_local[part] for part, cost in _local_medians(runs[method]).items()}
-        later_events = len(runs[method][0]["event_costs_s"]) - 1
-        local_total = local["start"] + local["first_event"] + later_events * local["event"] + local["end"]
-        fits = [r["fit_s"] for r in runs[method]]
+        pairs = _pairs(runs, method)
+        ratios = [ours["fit_s"] / theirs["fit_s"] for ours, theirs in pairs]
+        in_fit = [ours["excess"] - theirs["excess"] for ours, theirs in pairs]
+        local = [(_local_total_s(ours) - _local_total_s(theirs)) / baseline_steps_s for ours, theirs in pairs]
+        parts = {part: cost - none_parts[part] for part, cost in _local_parts(runs[method]).items()}
         steady = [b for r in runs[method] for b in r["blocked_steady_s"]]
         table.append({
-            "method": method, "fit_s": statistics.median(fits), "fits_s": fits, "saves": runs[method][0]["saves"],
-            "overhead": statistics.median(ratios[method]) - 1,
-            "overhead_range": (min(ratios[method]) - 1, max(ratios[method]) - 1),
-            "in_fit_overhead": statistics.median(in_fit[method]), "in_fit_range": (min(in_fit[method]), max(in_fit[method])),
-            "start_cost_s": local["start"], "first_event_cost_s": local["first_event"], "event_cost_s": local["event"],
-            "end_cost_s": local["end"],
-            "local_overhead": local_total / baseline_steps_s,
+            "method": method, "fit_s": statistics.median(r["fit_s"] for r in runs[method]),
+            "fits_s": [r["fit_s"] for r in runs[method]], "saves": runs[method][0]["saves"],
+            "overhead": statistics.median(ratios) - 1, "overhead_range": (min(ratios) - 1, max(ratios) - 1),
+            "in_fit_overhead": statistics.median(in_fit), "in_fit_range": (min(in_fit), max(in_fit)),
+            "local_overhead": statistics.median(local), "local_range": (min(local), max(local)),
+            "start_cost_s": parts["start"], "first_event_cost_s": parts["first_event"],
+            "event_cost_s": parts["event"], "end_cost_s": parts["end"],
             "extra_cpu_s": statistics.median(r["cpu_s"] for r in runs[method]) - baseline_cpu,
             "blocked_first_event_s": [statistics.median(r["blocked_first_event_s"][i] for r in runs[method])
                                       for i in range(len(runs[method][0]["blocked_first_event_s"]))],
             "blocked_mean_s": statistics.mean(steady) if steady else 0.0, "blocked_max_s": max(steady, default=0.0),
         })
     step_s = baseline / steps
-    print(f"\nstate {runs['none'][0]['state_mb']:.0f} MB, {steps} steps ({step_s:.3f} s each), a checkpoint event every "
+    every = result["every"]
+    load = result.get("load_average")
+    print(f"\nstate {none[0]['state_mb']:.0f} MB, {steps} steps ({step_s:.3f} s each), a checkpoint event every "
           f"{every} steps ({every * step_s:.1f} s of training; 2 saves each: top-k + last); fit without checkpoints "
-          f"{baseline:.2f} s (median of {len(runs['none'])}); the fit on {torch.get_num_threads()} of {os.cpu_count()} cores; "
-          f"load average {os.getloadavg()[0]:.1f}")
-    none_excess = statistics.median(r["excess"] for r in runs["none"])
-    print(f"in-fit overhead: the fit's time beyond {steps} of its own median steps, less the same excess of its pair's "
-          f"fit without checkpoints (median {none_excess:.1%}); it does not drift with the box's speed")
-    later_events = len(runs["none"][0]["event_costs_s"]) - 1
-    print(f"local: the start, the first event, each later one (median of {args.rounds * later_events} per method) "
-          f"and the end against the steps just before them, less the same in the fits without checkpoints; "
-          f"local overhead: start + 1st event + {later_events} events + end over {baseline_steps_s:.1f} s of steps")
+          f"{baseline:.2f} s (median of {len(none)}); the fit on {result['threads']} of {result['cpus']} cores; "
+          f"load average {'n/a' if load is None else f'{load:.1f}'}")
+    print(f"in-fit: the fit's time beyond {steps} of its own median steps, less the same excess of its pair's fit "
+          f"without checkpoints (median {statistics.median(r['excess'] for r in none):.1%})")
+    print(f"local: the start, each event and the end, each against the steps just before it, less the same in its "
+          f"pair's fit without checkpoints, over {baseline_steps_s:.1f} s of steps; its parts (s): medians over rounds, "
+          f"the events after the first a mean over all of them, less the same of the fits without checkpoints")
     print(f"{'method':<16} {'fit s':>8} {'overhead':>9} {'(min..max)':>16} {'in-fit':>7} {'(min..max)':>16} "
-          f"{'start s':>8} {'1st event s':>12} {'event s':>8} {'end s':>7} {'local':>6} {'extra CPU s':>12} "
-          f"{'saves':>6} {'blocked 1st event':>18} {'blocked/save after':>19} {'max':>8}")
+          f"{'local':>6} {'(min..max)':>16} {'start s':>8} {'1st event s':>12} {'event s':>8} {'end s':>7} "
+          f"{'extra CPU s':>12} {'saves':>6} {'blocked 1st event':>18} {'blocked/save after':>19} {'max':>8}")
     for r in table:
         first = " + ".join(f"{b:.3f}" for b in r["blocked_first_event_s"])
-        low, high = r["overhead_range"]
-        in_low, in_high = r["in_fit_range"]
-        print(f"{r['method']:<16} {r['fit_s']:>8.2f} {r['overhead']:>8.1%} {f'({low:.1%}..{high:.1%})':>16} "
-              f"{r['in_fit_overhead']:>6.1%} {f'({in_low:.1%}..{in_high:.1%})':>16} "
+        ranges = {name: f"({low:.1%}..{high:.1%})" for name, (low, high) in
+                  (("overhead", r["overhead_range"]), ("in_fit", r["in_fit_range"]), ("local", r["local_range"]))}
+        print(f"{r['method']:<16} {r['fit_s']:>8.2f} {r['overhead']:>8.1%} {ranges['overhead']:>16} "
+              f"{r['in_fit_overhead']:>6.1%} {ranges['in_fit']:>16} {r['local_overhead']:>6.1%} {ranges['local']:>16} "
               f"{r['start_cost_s']:>8.3f} {r['first_event_cost_s']:>12.3f} {r['event_cost_s']:>8.3f} {r['end_cost_s']:>7.3f} "
-              f"{r['local_overhead']:>6.1%} "
-              f"{r['extra_cpu_s']:>12.2f} "
-              f"{r['saves']:>6} {first:>17}s {r['blocked_mean_s']:>18.3f}s {r['blocked_max_s']:>7.3f}s", flush=True)
-    return {"steps": steps, "every": every, "baseline_fit_s": baseline, "rows": table, "runs": runs}
+              f"{r['extra_cpu_s']:>12.2f} {r['saves']:>6} {first:>17}s {r['blocked_mean_s']:>18.3f}s "
+              f"{r['blocked_max_s']:>7.3f}s", flush=True)
+    return table
 
 
-def _local_medians(runs: list[dict]) -> dict:
-    """The median start, first event, later event and end cost over fits (later events: over
-    every one of every fit)."""
+def _local_parts(runs: list[dict]) -> dict:
+    """The start, the first event and the end: medians over fits; the later events: the mean
+    over every one of every fit (an occasional slow one counts)."""
     return {"start": statistics.median(r["start_cost_s"] for r in runs),
-            "first_event": statistics.median(r["event_costs_s"][0] for r in runs),
-            "event": statistics.median(c for r in runs for c in r["event_costs_s"][1:]),
+            "first_event": _median_or_nan(r["event_costs_s"][0] for r in runs if r["event_costs_s"]),
+            "event": _mean_or_nan(c for r in runs for c in r["event_costs_s"][1:]),
             "end": statistics.median(r["end_s"] for r in runs)}
 
 
@@ -253,7 +282,16 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="pairs (a method, a fit without checkpoints) per method and configuration; medians")
     parser.add_argument("--dir", help="where checkpoints go (default: a temporary directory)")
     parser.add_argument("--out", help="write the rows as JSON here")
+    parser.add_argument("--report", metavar="JSON", help="print the tables of a run saved with --out, and run nothing")
     args = parser.parse_args()
+    if args.report:
+        with open(args.report) as f:
+            saved = json.load(f)
+        for result in saved["configs"]:
+            result.setdefault("threads", saved["args"].get("threads") or "all")  # runs saved before these were kept
+            result.setdefault("cpus", "?")
+            report(result)
+        return
     warnings.filterwarnings("ignore")
     if args.threads:
         torch.set_num_threads(args.threads)
