@@ -3,8 +3,9 @@
 Every agreement carries a per-checkpointer call counter, so ranks that called schedule_save or
 finalize a different number of times get a CheckpointError instead of a silent mismatch.
 Without a `process_group` the collectives run on a gloo group of their own whose timeout follows
-`timeout_s` and `worker_start_timeout_s`, so a rank that died or stopped calling fails the others within that bound instead
-of holding them for the default group's timeout (and an NCCL-only job needs no extra group).
+`timeout_s` and `worker_start_timeout_s`, so a rank that died or stopped calling fails the others
+within that bound instead of holding them for the default group's timeout (and an NCCL-only job
+needs no extra group).
 A collective that failed leaves the group unusable: later calls raise at once.
 With one process (no process group) every collective is a local no-op.
 """
@@ -42,7 +43,7 @@ def finalize_bound_s(config: CheckpointConfig, to_starting_worker: bool) -> floa
 
 class RankGroup:
     def __init__(
-        self, process_group: Optional[Any] = None, config: CheckpointConfig = CheckpointConfig(), no_dist: bool = False
+        self, process_group: Optional[Any] = None, config: Optional[CheckpointConfig] = None, no_dist: bool = False
     ) -> None:
         """`no_dist`: this process saves on its own (e.g. Lightning calls its CheckpointIO on rank 0
         only) even inside a distributed job: no collective, no group of its own."""
@@ -64,7 +65,7 @@ class RankGroup:
                     "pass a gloo group, e.g. process_group=dist.new_group(backend='gloo')"
                 )
         elif self.size > 1:  # every rank constructs its checkpointer, so every rank creates this
-            timeout = timedelta(seconds=collective_timeout_s(config))
+            timeout = timedelta(seconds=collective_timeout_s(config or CheckpointConfig()))
             process_group = dist.new_group(backend="gloo", timeout=timeout)
         self.pg = process_group
         self._coordinator = dist.get_global_rank(process_group, 0) if self.distributed and process_group else 0
