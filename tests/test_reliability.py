@@ -675,9 +675,10 @@ EXIT_SCRIPT = textwrap.dedent(
     ckpt = AsyncCheckpointer({root!r})
     ckpt.schedule_save({{"w": torch.arange(1000.0)}}, step=1)
     ckpt.finalize(blocking=True)
-    ckpt.config = dataclasses.replace(ckpt.config, timeout_s=2.0)  # after the worker's start-up
-    ckpt.schedule_save({{"w": torch.arange(1000.0)}}, step=2)
-    os.kill(ckpt.worker_pid, signal.SIGSTOP)  # stuck worker; the script exits without close()
+    # after the worker's start-up; lazy: the save below returns without waiting for the worker
+    ckpt.config = dataclasses.replace(ckpt.config, timeout_s=2.0, staging="lazy")
+    os.kill(ckpt.worker_pid, signal.SIGSTOP)  # stuck before step 2 (stopped after it, it could finish first)
+    ckpt.schedule_save({{"w": torch.arange(1000.0)}}, step=2)  # the script exits without close()
     print(time.monotonic(), ckpt.worker_pid, flush=True)  # from here on only the exit runs
     """
 )
