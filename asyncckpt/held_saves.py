@@ -9,6 +9,8 @@ already held by the worker in a cache slot of their own), so a steady save sends
 second save wait instead, without the held copy's memory. A commit thread commits saves as their
 writes end and hands held saves over as the worker frees up. Failures are kept and raised as
 CheckpointError by the caller's next call (`raise_failures`). No collective: one process saves.
+Directories the caller removes are deleted in the background (`removals`); a later save of the
+same directory waits for that.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from .checkpointer import AsyncCheckpointer
 from .config import CheckpointConfig
 from .errors import CheckpointError
 from .private_copy import HeldCopy
+from .removals import Removals
 from .snapshot import SHM_DIR, SHM_HEADROOM_BYTES, shared_memory_needed, shm_free_bytes
 from .storage import check_writable_without_writing
 
@@ -56,6 +59,7 @@ class HeldSaves:
         self._committer: Optional[threading.Thread] = None
         self._said_no_shm = False  # the warning that held copies do not fit in /dev/shm is given once
         self._closed = False
+        self.removals = Removals(config.timeout_s)  # un-committed directories the caller removed, deleted in order
 
     def ensure_saver(self) -> AsyncCheckpointer:
         if self.saver is None:
@@ -69,6 +73,7 @@ class HeldSaves:
         with self.lock:
             self._check_open()
             self.raise_failures()
+            self.removals.wait_for(target)  # a directory removed just before: its old files go first
             saver = self.ensure_saver()
             while True:
                 self._advance(blocking=False)
@@ -85,10 +90,11 @@ class HeldSaves:
             self._wake.set()
 
     def settle(self) -> None:
-        """Commit every save held or in flight, wait for the files commits made obsolete (a
-        replaced checkpoint's) to go, and raise what failed."""
+        """Commit every save held or in flight, wait for the removed directories and the files
+        commits made obsolete (a replaced checkpoint's) to go, and raise what failed."""
         with self.lock:
             self.drain()
+            self.removals.wait_all()
             if self.saver is not None:
                 self.saver.wait_tidy()
             self.raise_failures()
@@ -107,6 +113,10 @@ class HeldSaves:
                 except Exception as exc:
                     self._failed(str(exc))
                 self.saver = None
+            try:
+                self.removals.wait_all()
+            except CheckpointError as exc:
+                self._failed(str(exc))
             self._spare, self._in_flight_copy = [], None
             self._stop.set()
             self._wake.set()
@@ -184,7 +194,7 @@ class HeldSaves:
 
     def finish_saves_of(self, target: str) -> None:
         """Commit the saves writing `target` (and those before them), and (incremental) the one in
-        flight if it reuses its files."""
+        flight if it reuses its files; wait for a removal of `target` under way."""
         saver = self.saver
         while saver is not None and (
             any(held.target == target for held in self.held)
@@ -192,12 +202,14 @@ class HeldSaves:
             or target in saver.in_flight_base_dirs
         ):
             self._advance(blocking=True)
+        self.removals.wait_for(target)
 
     def _failed(self, message: str) -> None:
         log.error("asynchronous checkpoint failed: %s", message)
         self._failures.append(message)
 
     def raise_failures(self) -> None:
+        self._failures += self.removals.take_failures()
         if self._failures:
             failures, self._failures = self._failures, []
             raise CheckpointError("; ".join(failures))

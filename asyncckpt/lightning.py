@@ -117,22 +117,26 @@ class AsyncCheckpointIO(CheckpointIO):
 
     def remove_checkpoint(self, path) -> None:
         """Remove the checkpoint directory `path` (after its save, if one is held or in flight, so
-        it can never reappear). Anything but a checkpoint directory is refused."""
+        it can never reappear). Returns once it is un-committed (its `.metadata` gone); its files
+        are deleted in the background, before any later use of `path` and by `teardown`.
+        Anything but a checkpoint directory is refused."""
         target = _target(path)
         with self._saves.lock:
             self._saves.finish_saves_of(target)
-            _remove_checkpoint_dir(target)
+            if _uncommit_checkpoint_dir(target):
+                self._saves.removals.delete_tree(target)
             self._saves.raise_failures()
 
     def teardown(self) -> None:
         """Commit every save held or in flight (Lightning calls this at the end of each fit). The
-        plugin, and its worker, stay ready for the next fit. The directories are final then (a
-        replaced last.ckpt's old files are gone too)."""
+        plugin, and its worker, stay ready for the next fit. The directories are final then
+        (removed ones are gone, and so are a replaced last.ckpt's old files)."""
         self._saves.settle()
 
     # beyond CheckpointIO -----------------------------------------------------------------------
     def wait(self, path=None) -> None:
-        """Block until the save of `path` (or every save) is committed; raise if one failed."""
+        """Block until the save of `path` (or every save) is committed, and a removal of it (or
+        every removal) has ended; raise if one failed."""
         if path is None:
             self._saves.settle()
             return
@@ -171,10 +175,10 @@ def _target(path) -> str:
     return target if is_remote(target) else os.path.abspath(target)
 
 
-def _remove_checkpoint_dir(target: str) -> None:
-    """Delete a checkpoint directory: un-commit it first (a crash mid-delete leaves a torn
-    directory, never a broken checkpoint). Refuses a file, a symlink, and a directory holding
-    anything a save does not write."""
+def _uncommit_checkpoint_dir(target: str) -> bool:
+    """Un-commit a checkpoint directory before its deletion (a crash mid-delete leaves a torn
+    directory, never a broken checkpoint); whether there is a directory to delete. Refuses a
+    file, a symlink, and a directory holding anything a save does not write."""
     storage = storage_for(target)
     if storage.is_symlink(target):
         raise CheckpointError(f"refusing to remove {target!r}: it is a symlink, not a checkpoint directory")
@@ -182,7 +186,7 @@ def _remove_checkpoint_dir(target: str) -> None:
         raise CheckpointError(f"refusing to remove {target!r}: it is a file, not a checkpoint directory")
     if not storage.is_dir(target):
         log.debug("remove_checkpoint: %s does not exist", target)
-        return
+        return False
     names = storage.list_dir(target)
     foreign = [n for n in names if not is_checkpoint_file(n) or storage.is_dir(storage.join(target, n))]
     if foreign or not names:
@@ -190,8 +194,7 @@ def _remove_checkpoint_dir(target: str) -> None:
         raise CheckpointError(f"refusing to remove {target!r}: {what}")
     if METADATA_FILE in names:
         storage.remove_file(storage.join(target, METADATA_FILE))
-    storage.remove_tree(target)
-    log.debug("removed checkpoint %s", target)
+    return True
 
 
 def _mover(map_location: Any):

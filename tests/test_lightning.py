@@ -312,6 +312,7 @@ def test_the_first_saves_do_not_wait_for_the_workers_to_start(tmp_path):
         plugin.remove_checkpoint(str(tmp_path / "epoch=0-step=2.ckpt"))
         loaded = plugin.load_checkpoint(str(tmp_path / "last.ckpt"))
         assert torch.equal(loaded["state_dict"]["w"], torch.arange(4096.0)) and loaded["epoch"] == 0
+        plugin.teardown()
         assert sorted(os.listdir(tmp_path)) == ["last.ckpt"]
     finally:
         plugin.close()
@@ -380,10 +381,52 @@ def test_remove_during_an_in_flight_save_waits_and_it_never_reappears(tmp_path):
         finally:
             resume.join()
             worker.resume()
-        assert not os.path.exists(path)
-        plugin.teardown()  # nothing left in flight, nothing failed
+        assert not os.path.exists(os.path.join(path, ".metadata"))  # un-committed on return
+        plugin.teardown()  # nothing left in flight, nothing failed, the removal ended
         assert sorted(os.listdir(tmp_path)) == ["warm.ckpt"]
     finally:
+        plugin.close()
+
+
+def test_remove_returns_uncommitted_and_the_files_go_before_the_path_is_used_again(tmp_path, monkeypatch):
+    """Deleting a checkpoint's files (0.1 s for 86 MB here, longer on a store) is not the
+    trainer's wait: remove_checkpoint returns once `.metadata` is gone, while the deletion is
+    held up here. A save to that path waits for the deletion (its new files are never deleted
+    with the old ones); teardown waits for every deletion; one that fails reaches the next call."""
+    from asyncckpt.storage import LocalStorage
+    remove_tree, gate = LocalStorage.remove_tree, threading.Event()
+    monkeypatch.setattr(LocalStorage, "remove_tree", lambda self, path: gate.wait(60) and remove_tree(self, path))
+    old, new = {"w": torch.zeros(MiB // 4)}, {"w": torch.ones(MiB // 4)}
+    path = str(tmp_path / "epoch=0-step=2.ckpt")
+    plugin = AsyncCheckpointIO()
+    try:
+        plugin.save_checkpoint(old, path)
+        plugin.teardown()
+        plugin.remove_checkpoint(path)  # returns with the deletion held up
+        assert os.path.isdir(path) and not os.path.exists(os.path.join(path, ".metadata"))
+        saved = threading.Event()
+        threading.Thread(target=lambda: (plugin.save_checkpoint(new, path), saved.set()), daemon=True).start()
+        assert not saved.wait(0.5), "a save to a path being deleted did not wait for the deletion"
+        gate.set()
+        assert saved.wait(60)
+        plugin.teardown()
+        assert_exactly_equal(plugin.load_checkpoint(path), new)
+
+        gate.clear()
+        plugin.remove_checkpoint(path)
+        assert os.path.isdir(path)
+        gate.set()
+        plugin.teardown()
+        assert os.listdir(tmp_path) == []
+
+        monkeypatch.setattr(LocalStorage, "remove_tree", lambda self, path: (_ for _ in ()).throw(PermissionError(13, "denied")))
+        plugin.save_checkpoint(old, path)
+        plugin.remove_checkpoint(path)
+        with pytest.raises(CheckpointError, match="removing .*epoch=0-step=2.ckpt failed.*denied"):
+            plugin.teardown()
+        plugin.teardown()  # said once
+    finally:
+        gate.set()
         plugin.close()
 
 
