@@ -60,20 +60,20 @@ class HeldSaves:
         self._said_no_shm = False  # the warning that held copies do not fit in /dev/shm is given once
         self._closed = False
         self.removals = Removals(config.timeout_s)  # un-committed directories the caller removed, deleted in order
+        _live.add(self)  # closed at exit: saves committed, removals waited for
 
     def ensure_saver(self) -> AsyncCheckpointer:
         if self.saver is None:
             self.saver = AsyncCheckpointer(config=self.config, no_dist=True)  # spawns its worker, without waiting
-            _live.add(self)
         return self.saver
 
     def save(self, flat: dict, target: str) -> None:
         """Snapshot the flat state dict `flat` as of now into the directory `target`; returns
         once staged, or copied while the worker is busy or starting."""
         with self.lock:
-            self._check_open()
-            self.raise_failures()
+            self.check_open()
             self.removals.wait_for(target)  # a directory removed just before: its old files go first
+            self.raise_failures()  # (a failed removal of it too: never saved into half-deleted)
             saver = self.ensure_saver()
             while True:
                 self._advance(blocking=False)
@@ -214,7 +214,7 @@ class HeldSaves:
             failures, self._failures = self._failures, []
             raise CheckpointError("; ".join(failures))
 
-    def _check_open(self) -> None:
+    def check_open(self) -> None:
         if self._closed:
             raise CheckpointError(f"this {self.owner} is closed")
 

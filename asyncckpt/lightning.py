@@ -122,10 +122,11 @@ class AsyncCheckpointIO(CheckpointIO):
         Anything but a checkpoint directory is refused."""
         target = _target(path)
         with self._saves.lock:
+            self._saves.check_open()
             self._saves.finish_saves_of(target)
+            self._saves.raise_failures()
             if _uncommit_checkpoint_dir(target):
                 self._saves.removals.delete_tree(target)
-            self._saves.raise_failures()
 
     def teardown(self) -> None:
         """Commit every save held or in flight (Lightning calls this at the end of each fit). The

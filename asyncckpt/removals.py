@@ -37,10 +37,15 @@ class Removals:
         """Queue the un-committed directory `path` for deletion; returns at once."""
         with self._cond:
             self._queue.append(path)
-            if not self._serving:
-                self._serving = True
+            if self._serving:
+                return
+            try:
                 threading.Thread(target=self._serve, name="asyncckpt-removals", daemon=True).start()
-            self._cond.notify_all()
+                self._serving = True
+                return
+            except RuntimeError:  # no thread to be had (e.g. at interpreter exit): delete it here
+                self._queue.remove(path)
+        storage_for(path).remove_tree(path)
 
     def wait_for(self, path: str) -> None:
         """Return once no removal of `path` is queued or under way."""

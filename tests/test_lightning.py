@@ -392,7 +392,8 @@ def test_remove_returns_uncommitted_and_the_files_go_before_the_path_is_used_aga
     """Deleting a checkpoint's files (0.1 s for 86 MB here, longer on a store) is not the
     trainer's wait: remove_checkpoint returns once `.metadata` is gone, while the deletion is
     held up here. A save to that path waits for the deletion (its new files are never deleted
-    with the old ones); teardown waits for every deletion; one that fails reaches the next call."""
+    with the old ones); teardown waits for every deletion; one that fails reaches the next call,
+    before a save into that path writes anything."""
     from asyncckpt.storage import LocalStorage
     remove_tree, gate = LocalStorage.remove_tree, threading.Event()
     monkeypatch.setattr(LocalStorage, "remove_tree", lambda self, path: gate.wait(60) and remove_tree(self, path))
@@ -423,8 +424,9 @@ def test_remove_returns_uncommitted_and_the_files_go_before_the_path_is_used_aga
         plugin.save_checkpoint(old, path)
         plugin.remove_checkpoint(path)
         with pytest.raises(CheckpointError, match="removing .*epoch=0-step=2.ckpt failed.*denied"):
-            plugin.teardown()
+            plugin.save_checkpoint(new, path)  # said before anything is written into the half-deleted path
         plugin.teardown()  # said once
+        assert not os.path.exists(os.path.join(path, ".metadata"))
     finally:
         gate.set()
         plugin.close()
