@@ -28,7 +28,7 @@ _spawn_lock = threading.Lock()
 
 
 class WorkerClient:
-    def __init__(self, settings: WorkerSettings, start_timeout_s: float = 300.0) -> None:
+    def __init__(self, settings: WorkerSettings, start_timeout_s: float) -> None:
         self.settings = settings
         self.start_timeout_s = start_timeout_s  # the bound on waits while the worker starts up
         self._process = None

@@ -15,7 +15,7 @@ import logging
 import threading
 from typing import Optional
 
-from .errors import CheckpointTimeoutError
+from .errors import CheckpointError, CheckpointTimeoutError
 from .storage import storage_for
 
 log = logging.getLogger("asyncckpt")
@@ -45,7 +45,10 @@ class Removals:
                 return
             except RuntimeError:  # no thread to be had (e.g. at interpreter exit): delete it here
                 self._queue.remove(path)
-        storage_for(path).remove_tree(path)
+        try:
+            storage_for(path).remove_tree(path)
+        except Exception as exc:
+            raise CheckpointError(_failed_text(path, exc)) from exc
 
     def wait_for(self, path: str) -> None:
         """Return once no removal of `path` is queued or under way."""
@@ -53,7 +56,7 @@ class Removals:
 
     def wait_all(self) -> None:
         """Return once every queued removal has ended."""
-        self._wait(lambda: not self._queue and self._busy is None, f"{len(self._queue) + 1} checkpoint removals")
+        self._wait(lambda: not self._queue and self._busy is None, "the queued checkpoint removals")
 
     def take_failures(self) -> list[str]:
         with self._cond:
@@ -80,8 +83,12 @@ class Removals:
             except Exception as exc:
                 log.error("removing checkpoint %s failed: %r", path, exc)
                 with self._cond:
-                    self._failures.append(f"removing {path} failed (it is un-committed; delete it by hand): {exc!r}")
+                    self._failures.append(_failed_text(path, exc))
             finally:
                 with self._cond:
                     self._busy = None
                     self._cond.notify_all()
+
+
+def _failed_text(path: str, exc: Exception) -> str:
+    return f"removing {path} failed (it is un-committed; delete it by hand): {exc!r}"
