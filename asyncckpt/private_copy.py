@@ -18,6 +18,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from .snapshot import shm_bytes
+from .subclasses import local_tensor
 
 _COPYABLE = (torch.Tensor, torch.nn.Parameter, DTensor)
 
@@ -64,7 +65,7 @@ class HeldCopy:
         if not isinstance(state, torch.Tensor):
             return 0
         if type(state) is DTensor:  # cloned afresh by every take: its local shard moves into shared memory
-            local = state.to_local()
+            local = local_tensor(state)
             return shm_bytes(local.numel() * local.element_size()) if local.device.type == "cpu" else 0
         target = self._tensors.get(path)
         if (target is not None and target.shape == state.shape and target.dtype == state.dtype
@@ -104,5 +105,5 @@ def _copyable(state: Any, device_to_host: bool = False) -> bool:
             return False
         if state.device.type != "cpu":
             return device_to_host and type(state) is not DTensor
-        return not state.is_pinned()
+        return not local_tensor(state).is_pinned()  # never a raw op on the wrapper: a DTensor has none
     return True

@@ -84,8 +84,8 @@ class RankWorker:
         """Hand the save to the worker: the structure key, and only the tensors it does not hold
         (in cache `slot`)."""
         request = self.request_for(snapshot, flight.step_dir, flight.file_tag, bases, slot)
-        if snapshot.has_cuda:
-            torch.cuda.current_stream().synchronize()  # the worker must see finished values
+        for device in snapshot.cuda_devices:  # the worker must see finished values
+            torch.cuda.synchronize(device)
         self._client.send(request, self.config.timeout_s)
         flight.save_id, flight.tensors_sent = request.save_id, len(request.fresh_tensors)
         flight.to_starting_worker = not self._client.ready

@@ -21,6 +21,7 @@ import torch.multiprocessing
 from .errors import CheckpointError
 from .planning import PlannedSave, is_tensor_item
 from .protocol import BYTES, TENSOR, ItemIndex, ItemSpec
+from .subclasses import local_tensor, plain_tensor
 
 log = logging.getLogger(__name__)
 
@@ -40,17 +41,17 @@ class Snapshot:
     fingerprints: list[Optional[Fingerprint]]
     always_fresh: frozenset[int]
     objects: dict[int, bytes]
-    has_cuda: bool
+    cuda_devices: tuple[int, ...]  # the CUDA devices its tensors are on (each one's work must finish first)
 
 
 def take_snapshot(planned: PlannedSave) -> Snapshot:
     items, tensors, fingerprints, objects = [], [], [], {}
-    always_fresh, has_cuda = set(), False
+    always_fresh, cuda_devices = set(), set()
     resolved: dict[int, tuple[torch.Tensor, bool]] = {}
     for pos, item in enumerate(planned.plan.items):  # resolve and check everything before moving anything
         if is_tensor_item(item):
             fqn = item.index.fqn
-            tensor, fresh = _reachable_tensor(planned.planner.resolve_data(item), fqn)
+            tensor, fresh = _reachable_tensor(planned.planner.resolve_data(item), fqn, item.tensor_data.properties.dtype)
             expected = tuple(item.tensor_data.chunk.sizes)
             if tuple(tensor.shape) != expected:
                 raise CheckpointError(f"state entry {fqn!r}: resolved shape {tuple(tensor.shape)} != planned {expected}")
@@ -68,7 +69,8 @@ def take_snapshot(planned: PlannedSave) -> Snapshot:
         tensor, fresh = _shareable_tensor(*resolved.pop(pos), item.index.fqn)
         if fresh:
             always_fresh.add(pos)
-        has_cuda = has_cuda or tensor.is_cuda
+        if tensor.is_cuda:
+            cuda_devices.add(tensor.device.index)
         items.append(ItemSpec(ItemIndex.of(item.index), TENSOR, tensor.dtype, tuple(tensor.shape)))
         tensors.append(tensor)
         fingerprints.append(_fingerprint(tensor))
@@ -79,7 +81,7 @@ def take_snapshot(planned: PlannedSave) -> Snapshot:
         fingerprints,
         frozenset(always_fresh),
         objects,
-        has_cuda,
+        tuple(sorted(cuda_devices)),
     )
 
 
@@ -92,14 +94,12 @@ def _pickled_object(planned: PlannedSave, item) -> bytes:
         ) from exc
 
 
-def _reachable_tensor(tensor, fqn: str) -> tuple[torch.Tensor, bool]:
+def _reachable_tensor(tensor, fqn: str, planned_dtype: torch.dtype) -> tuple[torch.Tensor, bool]:
     """Check a resolved tensor; return (plain detached tensor, whether it is a fresh copy)."""
     if not isinstance(tensor, torch.Tensor):
         raise CheckpointError(f"state entry {fqn!r}: planner resolved {type(tensor).__name__}, not a tensor")
-    fresh = False
-    if type(tensor).dequantize is not torch.Tensor.dequantize:  # not nn.Parameter: Tensor's own
-        tensor, fresh = tensor.dequantize(), True  # FP8-style wrappers are stored dequantized
-    tensor = tensor.detach()
+    plain = plain_tensor(tensor, fqn, planned_dtype)
+    tensor, fresh = plain.tensor, plain.fresh
     if tensor.is_sparse or tensor.layout != torch.strided:
         raise CheckpointError(f"state entry {fqn!r}: layout {tensor.layout} is not supported")
     if tensor.is_cuda:
@@ -123,6 +123,7 @@ def shared_memory_needed(resolved) -> SharingNeeds:
     one moved in place (once however many views it has), else a copy of the tensor's bytes."""
     needs, seen = SharingNeeds(), set()
     for tensor, fresh in resolved:
+        tensor = local_tensor(tensor)  # a held copy's DTensor: its shard is what moves
         if tensor.is_cuda:
             continue
         storage = tensor.untyped_storage()

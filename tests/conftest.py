@@ -17,6 +17,9 @@ import pytest
 import torch
 
 from asyncckpt.testing.s3_server import BUCKET, MotoServer, S3Session, free_port, session_env, write_msc_config
+from cuda_like import dtensor_as_on_cuda
+
+dtensor_as_on_cuda()  # raw ops on a DTensor fail here as they do on a GPU machine
 
 __all__ = ["free_port", "stress_size", "STRESS"]  # re-exported for the tests: one helper for every loopback port
 

@@ -22,6 +22,9 @@ def _entry(rank: int, fn, world_size: int, store_path: str, args: tuple) -> None
     collective's tensors while the interpreter finalizes; taking the GIL then kills that thread
     inside a noexcept destructor and the rank dies of SIGABRT after its work passed. The result
     is decided by then (a failure raises above and is reported by torch.multiprocessing)."""
+    from cuda_like import dtensor_as_on_cuda
+
+    dtensor_as_on_cuda()  # as in the pytest process (conftest.py)
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size)
     try:
         fn(rank, world_size, *args)

@@ -1,0 +1,118 @@
+"""Tensor subclasses in a saved state: each kind is saved as the plain values DCP's metadata
+describes, or refused with an error naming the entry; a refused save leaves nothing committed.
+(DTensors: tests/test_torch_dcp.py and test_multirank.py, with raw ops failing as on CUDA.)"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.utils._pytree import tree_map
+
+from asyncckpt import AsyncCheckpointer, CheckpointError
+
+
+class Wrapper(torch.Tensor):
+    """A wrapper subclass, as float8 training weights are: its values live in an inner tensor
+    and its own __torch_dispatch__ unwraps them; it has no storage of its own."""
+
+    @staticmethod
+    def __new__(cls, inner):
+        return torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype, device=inner.device)
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        unwrap = lambda t: t.inner if isinstance(t, Wrapper) else t  # noqa: E731
+        return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
+
+
+class Uncopyable(Wrapper):
+    """A wrapper whose values cannot be read through ordinary ops."""
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten.detach.default, torch.ops.aten.copy_.default):
+            raise NotImplementedError(f"{func} is not implemented for Uncopyable")
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+class Quantized(Wrapper):
+    """Stores int8 codes and a scale, reports float32, dequantizes to float32."""
+
+    def dequantize(self):
+        return self.inner.float() * 0.5
+
+
+class BadDequantize(Wrapper):
+    """Its dequantize() changes the dtype the planner recorded from the tensor."""
+
+    def dequantize(self):
+        return self.inner.to(torch.float16)
+
+
+class Tagged(torch.Tensor):
+    """A storage-backed subclass (`as_subclass`), as some libraries tag parameters."""
+
+
+@pytest.fixture(scope="module")
+def ckpt():
+    with AsyncCheckpointer() as checkpointer:
+        yield checkpointer
+
+
+def saved(ckpt, state: dict, path: str) -> dict:
+    ckpt.schedule_save(state, checkpoint_dir=path)
+    ckpt.finalize(blocking=True)
+    out = {k: torch.zeros(v.shape, dtype=v.dtype) for k, v in state.items()}
+    dcp.load(out, checkpoint_id=path, no_dist=True)  # stock DCP reads what we wrote
+    return out
+
+
+def test_a_wrapper_subclass_is_saved_as_its_values(ckpt, tmp_path):
+    inner = torch.randn(4, 5)
+    out = saved(ckpt, {"w": Wrapper(inner.clone()), "plain": torch.ones(3)}, str(tmp_path / "c"))
+    assert torch.equal(out["w"], inner) and torch.equal(out["plain"], torch.ones(3))
+
+
+def test_a_subclass_with_dequantize_is_saved_dequantized(ckpt, tmp_path):
+    codes = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    out = saved(ckpt, {"q": Quantized(codes)}, str(tmp_path / "c"))
+    assert torch.equal(out["q"], codes * 0.5)
+
+
+def test_a_storage_backed_subclass_is_shared_in_place_and_not_sent_again(ckpt, tmp_path):
+    tagged = torch.randn(64).as_subclass(Tagged)
+    out = saved(ckpt, {"t": tagged}, str(tmp_path / "a"))
+    assert torch.equal(out["t"], tagged.as_subclass(torch.Tensor))
+    with torch.no_grad():
+        tagged.add_(1)  # in place: the worker reads the new values from the memory it holds
+    ckpt.schedule_save({"t": tagged}, checkpoint_dir=str(tmp_path / "b"))
+    [report] = ckpt.finalize(blocking=True)
+    assert report.tensors_sent == 0  # no copy per save: the worker holds the subclass's own memory
+    out = {"t": torch.zeros(64)}
+    dcp.load(out, checkpoint_id=str(tmp_path / "b"), no_dist=True)
+    assert torch.equal(out["t"], tagged.as_subclass(torch.Tensor))
+
+
+@pytest.mark.parametrize(
+    "entry, says",
+    [
+        (Uncopyable(torch.ones(3)), "cannot be copied into a plain tensor"),
+        (BadDequantize(torch.ones(3)), "has dtype torch.float16, but the checkpoint's metadata records torch.float32"),
+    ],
+    ids=["uncopyable", "dequantize-changes-dtype"],
+)
+def test_a_subclass_that_cannot_be_saved_faithfully_is_refused_naming_the_entry(ckpt, tmp_path, entry, says):
+    path = str(tmp_path / "c")
+    with pytest.raises(CheckpointError) as caught:
+        ckpt.schedule_save({"model": {"layer": entry}, "ok": torch.ones(2)}, checkpoint_dir=path)
+    assert "'model.layer'" in str(caught.value) and says in str(caught.value)
+    assert not os.path.exists(os.path.join(path, ".metadata"))
+    ckpt.schedule_save({"ok": torch.ones(2)}, checkpoint_dir=path)  # the checkpointer goes on
+    ckpt.finalize(blocking=True)
+    assert os.path.exists(os.path.join(path, ".metadata"))
