@@ -70,8 +70,8 @@ class AsyncCheckpointer:
         self._warned_copies = False
         self._janitor = Janitor()  # retention, after each commit's verdict
         self._incremental = Continuation(config.incremental, self.rank)
-        at_exit.track(self)
         self._worker = RankWorker(config, self.rank)  # starts now, so the first save does not wait for it
+        at_exit.track(self)  # once whole: a constructor that failed leaves nothing to close at exit
 
     @property
     def config(self) -> CheckpointConfig:

@@ -83,6 +83,7 @@ class WorkerClient:
         finally:
             _drop_offered_fds(self._unfetched)  # a worker that is gone will never fetch them
             self._unfetched = set()
+            free_released_cuda_blocks()  # it let go of our CUDA tensors before it exited
 
     def _stop(self, process, conn, timeout_s: float) -> None:
         if process.is_alive():
@@ -199,6 +200,16 @@ class WorkerClient:
         reason = f"exit code {code}" if code is None or code >= 0 else f"killed by signal {-code}"
         pid = process.pid if process is not None else None
         return WorkerDiedError(f"rank {self.settings.rank}: checkpoint worker pid {pid} died ({reason}) {when}".rstrip())
+
+
+def free_released_cuda_blocks() -> None:
+    """Free the CUDA blocks of tensors this process freed while a worker still held them (torch
+    keeps such blocks "in limbo" until the worker lets go, and warns at exit about any left).
+    Without CUDA in use here, nothing to do (and CUDA is not initialised for it)."""
+    import torch
+
+    if torch.cuda.is_initialized():
+        torch.cuda.ipc_collect()
 
 
 def _offered_fds() -> set:

@@ -46,7 +46,6 @@ class WorkerSettings:
     log_level: int = logging.WARNING
     nice: Optional[int] = None
     ionice: Optional[str] = None
-    cuda_device: Optional[int] = None
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from .client import WorkerClient
+from .client import WorkerClient, free_released_cuda_blocks
 from .commit import RankOutcome
 from .config import CheckpointConfig, write_options
 from .errors import CheckpointTimeoutError, WorkerDiedError
@@ -47,14 +47,15 @@ class RankWorker:
         return self._client is not None and self._client.is_alive()
 
     def start(self) -> None:
-        cuda_device = torch.cuda.current_device() if torch.cuda.is_available() else None
+        # no CUDA device here: the worker takes it from the tensors of each save (a device read
+        # now would be the wrong one where the checkpointer is built before set_device or on
+        # another thread, and would initialise CUDA in a CPU-only job)
         settings = WorkerSettings(
             rank=self.rank,
             parent_pid=os.getpid(),
             log_level=logging.getLogger("asyncckpt").getEffectiveLevel(),
             nice=self.config.worker_nice,
             ionice=self.config.worker_ionice,
-            cuda_device=cuda_device,
         )
         self._client = WorkerClient(settings, self.config.worker_start_timeout_s)
         self._client.start()
@@ -152,6 +153,8 @@ class RankWorker:
         return RankOutcome(self.rank, written=message)
 
     def _mark_staged(self, flight: InFlightSave, staged: Staged) -> None:
+        if flight.tensors_sent:  # the worker dropped the tensors these replaced: their blocks may go
+            free_released_cuda_blocks()
         flight.staged = staged
         flight.deadline = time.monotonic() + self.config.timeout_s  # the writes get their own bound
         flight.deadline_says = f"within {self.config.timeout_s:.1f}s"

@@ -12,6 +12,8 @@ import torch.distributed.checkpoint as dcp
 from torch.utils._pytree import tree_map
 
 from asyncckpt import AsyncCheckpointer, CheckpointError
+from asyncckpt.report import SaveReport
+from conftest import clone_state
 
 
 class Wrapper(torch.Tensor):
@@ -41,13 +43,6 @@ class Uncopyable(Wrapper):
         return super().__torch_dispatch__(func, types, args, kwargs)
 
 
-class Quantized(Wrapper):
-    """Stores int8 codes and a scale, reports float32, dequantizes to float32."""
-
-    def dequantize(self):
-        return self.inner.float() * 0.5
-
-
 class BadDequantize(Wrapper):
     """Its dequantize() changes the dtype the planner recorded from the tensor."""
 
@@ -59,43 +54,66 @@ class Tagged(torch.Tensor):
     """A storage-backed subclass (`as_subclass`), as some libraries tag parameters."""
 
 
+class Scaled(torch.Tensor):
+    """An FP8-style wrapper: stored values times a scale; `dequantize` gives the real values."""
+
+    @staticmethod
+    def __new__(cls, data: torch.Tensor, scale: float):
+        wrapped = data.as_subclass(cls)
+        wrapped.scale = scale
+        return wrapped
+
+    def dequantize(self):
+        return self.as_subclass(torch.Tensor) * self.scale
+
+
 @pytest.fixture(scope="module")
 def ckpt():
     with AsyncCheckpointer() as checkpointer:
         yield checkpointer
 
 
-def saved(ckpt, state: dict, path: str) -> dict:
+def saved(ckpt, state: dict, path: str) -> tuple[dict, SaveReport]:
+    """Save `state` into `path`; what stock DCP reads back, and the save's report."""
     ckpt.schedule_save(state, checkpoint_dir=path)
-    ckpt.finalize(blocking=True)
+    [report] = ckpt.finalize(blocking=True)
     out = {k: torch.zeros(v.shape, dtype=v.dtype) for k, v in state.items()}
-    dcp.load(out, checkpoint_id=path, no_dist=True)  # stock DCP reads what we wrote
-    return out
+    dcp.load(out, checkpoint_id=path, no_dist=True)
+    return out, report
+
+
+def test_parameters_are_not_mistaken_for_quantized_wrappers(ckpt, tmp_path):
+    """nn.Parameter has Tensor's own `dequantize`: it must be shared once, not copied per save."""
+    state = {"w": torch.nn.Parameter(torch.randn(256)), "b": torch.nn.Parameter(torch.randn(8))}
+    for step in range(2):
+        with torch.no_grad():
+            state["w"].add_(1.0)
+        expected = clone_state(state)
+        out, report = saved(ckpt, state, str(tmp_path / f"step{step}"))
+    assert report.tensors_sent == 0 and report.cache_hit, report
+    assert torch.equal(out["w"], expected["w"].detach()) and torch.equal(out["b"], expected["b"].detach())
+
+
+def test_a_subclass_with_its_own_dequantize_is_stored_dequantized(ckpt, tmp_path):
+    raw = torch.arange(16, dtype=torch.float32)
+    out, _ = saved(ckpt, {"q": Scaled(raw, 0.5)}, str(tmp_path / "c"))
+    assert torch.equal(out["q"], raw * 0.5)
 
 
 def test_a_wrapper_subclass_is_saved_as_its_values(ckpt, tmp_path):
     inner = torch.randn(4, 5)
-    out = saved(ckpt, {"w": Wrapper(inner.clone()), "plain": torch.ones(3)}, str(tmp_path / "c"))
+    out, _ = saved(ckpt, {"w": Wrapper(inner.clone()), "plain": torch.ones(3)}, str(tmp_path / "c"))
     assert torch.equal(out["w"], inner) and torch.equal(out["plain"], torch.ones(3))
-
-
-def test_a_subclass_with_dequantize_is_saved_dequantized(ckpt, tmp_path):
-    codes = torch.arange(12, dtype=torch.float32).reshape(3, 4)
-    out = saved(ckpt, {"q": Quantized(codes)}, str(tmp_path / "c"))
-    assert torch.equal(out["q"], codes * 0.5)
 
 
 def test_a_storage_backed_subclass_is_shared_in_place_and_not_sent_again(ckpt, tmp_path):
     tagged = torch.randn(64).as_subclass(Tagged)
-    out = saved(ckpt, {"t": tagged}, str(tmp_path / "a"))
+    out, _ = saved(ckpt, {"t": tagged}, str(tmp_path / "a"))
     assert torch.equal(out["t"], tagged.as_subclass(torch.Tensor))
     with torch.no_grad():
         tagged.add_(1)  # in place: the worker reads the new values from the memory it holds
-    ckpt.schedule_save({"t": tagged}, checkpoint_dir=str(tmp_path / "b"))
-    [report] = ckpt.finalize(blocking=True)
+    out, report = saved(ckpt, {"t": tagged}, str(tmp_path / "b"))
     assert report.tensors_sent == 0  # no copy per save: the worker holds the subclass's own memory
-    out = {"t": torch.zeros(64)}
-    dcp.load(out, checkpoint_id=str(tmp_path / "b"), no_dist=True)
     assert torch.equal(out["t"], tagged.as_subclass(torch.Tensor))
 
 

@@ -39,7 +39,7 @@ class ServeLoop:
         self.conn = conn
         self.settings = settings
         self.cache = StructureCache()
-        self.pool = StagingPool(pin_memory=settings.cuda_device is not None)
+        self.pool = StagingPool()
         self.writers = Writers(nice=settings.nice, forks=forks)
 
     def serve(self) -> None:
@@ -98,6 +98,17 @@ class ServeLoop:
         self.writers.close()
         self.pool.close()
         self.cache.clear()
+        self._release_cuda()
+
+    def _release_cuda(self) -> None:
+        """Free every tensor opened from a CUDA IPC handle before this process exits: freeing one
+        tells the trainer (through torch's shared counter) that its block may go. A handle still
+        open at exit would stay counted, and the trainer would warn "Producer process has been
+        terminated before all shared CUDA tensors released" and keep those blocks."""
+        if not torch.cuda.is_initialized():
+            return
+        gc.collect()  # the cache's tensors, and anything a failed save's traceback kept
+        log.debug("released the trainer's CUDA tensors")
 
 
 def run(conn, settings: WorkerSettings) -> None:
@@ -114,9 +125,6 @@ def run(conn, settings: WorkerSettings) -> None:
     # writers are niced, see Writers). Each copy runs on one torch thread; eager staging spreads
     # the pieces over a few threads of its own (StagingPool.copy_in), lazy staging uses one.
     torch.set_num_threads(1)
-    if settings.cuda_device is not None:
-        torch.cuda.set_device(settings.cuda_device)
-        torch.empty(1, device="cuda")  # create the context before any IPC handle arrives
     loop = ServeLoop(conn, settings, forks)
     _start_parent_watchdog(settings.parent_pid, loop)
     gc.freeze()

@@ -35,13 +35,16 @@ class SlabShare:
 
 
 class StagingPool:
-    def __init__(self, pin_memory: bool = False) -> None:
-        self._pin = pin_memory
+    """The slab is pinned from the first save that holds CUDA tensors on: a CPU-only job on a
+    machine with a GPU never creates a CUDA context here nor page-locks memory."""
+
+    def __init__(self) -> None:
+        self._pin = False  # a save held CUDA tensors: slabs are page-locked from then on
         self._slab: Optional[torch.Tensor] = None
         self._slab_fd = -1
         self._pinned = False
         self.generation = 0  # bumps when the slab is replaced; views of older generations are stale
-        self._stream = None
+        self._streams: dict[int, object] = {}  # a side stream per CUDA device the sources are on
         self._helpers: Optional[ThreadPoolExecutor] = None  # extra copy threads, made on first use
         self._helper_count = 0
 
@@ -96,12 +99,27 @@ class StagingPool:
             os.close(fd)
             raise
         self._slab_fd = fd
-        if self._pin:  # page-locked for non-blocking device-to-host copies
-            from torch.cuda._pin_memory_utils import pin_memory
-
-            pin_memory(self._slab.data_ptr(), size)
-            self._pinned = True
+        if self._pin:
+            self._pin_slab()
         self.generation += 1
+
+    def _pin_slab(self) -> None:
+        """Page-lock the slab for non-blocking device-to-host copies (registered portable: any
+        device's copies may land in it)."""
+        from torch.cuda._pin_memory_utils import pin_memory
+
+        pin_memory(self._slab.data_ptr(), self._slab.numel())
+        self._pinned = True
+
+    def _ready_for_cuda(self, device: int) -> None:
+        """From the first save with CUDA sources on: their device is this process's current one
+        (what CUDA creates without naming a device lands there, never on device 0 of a node
+        whose ranks each use another GPU), and the slab is pinned."""
+        if not self._pin:
+            torch.cuda.set_device(device)
+            self._pin = True
+        if self._slab is not None and not self._pinned:
+            self._pin_slab()
 
     def share(self) -> Optional[SlabShare]:
         """How a forked writer maps the slab (None before the first layout)."""
@@ -125,22 +143,41 @@ class StagingPool:
     ) -> None:
         """Copy every source tensor into its staging view.
 
-        GPU sources are copied with non-blocking copies on a side stream and one synchronize.
+        GPU sources are copied with non-blocking copies on a side stream of their own device,
+        while the CPU sources are copied; then every device's stream is synchronized (returning
+        earlier would let `Staged` and the checksums go before the bytes land).
         CPU sources are cut into pieces that `threads` threads take from one queue, so a thread
         that loses its core only takes fewer pieces (a static split would wait for it)."""
         pairs = [(src, dst) for src, dst in zip(sources, views) if src is not None]
-        if any(src.is_cuda for src, _ in pairs):
-            stream = self._side_stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for src, dst in pairs:
-                    dst.copy_(src, non_blocking=src.is_cuda)
-            stream.synchronize()
-        elif threads > 1:
-            self._copy_on_threads(list(_copy_pieces(pairs)), threads)
-        else:
+        on_device = by_cuda_device(pairs)
+        if on_device:
+            self._ready_for_cuda(min(on_device))
+        host = [(src, dst) for src, dst in pairs if not src.is_cuda]
+        launched = []
+        try:
+            for device in sorted(on_device):
+                launched.append(self._launch_device_copies(device, on_device[device]))
+            if threads > 1 and host:
+                self._copy_on_threads(list(_copy_pieces(host)), threads)
+            else:
+                for src, dst in host:
+                    dst.copy_(src)
+        finally:  # never answer while a device still writes the slab
+            for stream in launched:
+                stream.synchronize()
+
+    def _launch_device_copies(self, device: int, pairs: list) -> object:
+        """Queue `pairs`' device-to-host copies on `device`'s side stream; return the stream."""
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams[device] = torch.cuda.Stream(device=device)
+        # a handle opened by this request made the device's current stream wait for the trainer's
+        # event (torch's IPC); the side stream inherits that wait
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
             for src, dst in pairs:
-                dst.copy_(src)
+                dst.copy_(src, non_blocking=True)
+        return stream
 
     def _copy_on_threads(self, pieces: list[tuple[torch.Tensor, torch.Tensor]], threads: int) -> None:
         queue = iter(pieces)
@@ -186,10 +223,14 @@ class StagingPool:
             self.copy_in([piece], [staged])
             yield flat[:nbytes].numpy()
 
-    def _side_stream(self):
-        if self._stream is None:
-            self._stream = torch.cuda.Stream()
-        return self._stream
+
+def by_cuda_device(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> dict[int, list]:
+    """The (source, destination) pairs whose source is on a CUDA device, by device index."""
+    groups: dict[int, list] = {}
+    for src, dst in pairs:
+        if src.is_cuda:
+            groups.setdefault(src.device.index, []).append((src, dst))
+    return groups
 
 
 COPY_PIECE_BYTES = 16 << 20
