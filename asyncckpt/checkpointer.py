@@ -178,10 +178,21 @@ class AsyncCheckpointer:
             discard_uncommitted(storage_for(flight.step_dir), flight.step_dir, flight.file_tag, flight.owns_dir)
             raise CheckpointError(f"rank {self.rank} {flight.label}: {flight.error}")
 
-    def guard(self, optimizer: torch.optim.Optimizer):
-        """Make `optimizer.step()` wait for staging, so lazy saves cannot see later values.
-        Returns the hook handle (call `.remove()` to undo)."""
-        return optimizer.register_step_pre_hook(lambda *_: self.wait_staged())
+    def guard(self, *owners: torch.optim.Optimizer | torch.nn.Module) -> "GuardHandles":
+        """Lazy staging: make the calls that change the saved tensors wait for staging first.
+        An optimizer: `step()` waits (the parameters, its state, its step hooks). A module:
+        its `forward` waits (BatchNorm running statistics and every buffer a forward changes, in
+        it or its submodules). Tensors changed anywhere else (an EMA updated by your own code, an
+        in-place edit) are yours to guard with `wait_staged()`. Returns handles: `.remove()` undoes it."""
+        handles = []
+        for owner in owners:
+            if isinstance(owner, torch.optim.Optimizer):
+                handles.append(owner.register_step_pre_hook(lambda *_: self.wait_staged()))
+            elif isinstance(owner, torch.nn.Module):
+                handles.append(owner.register_forward_pre_hook(lambda *_: self.wait_staged()))
+            else:
+                raise TypeError(f"guard takes optimizers and modules, not {type(owner).__name__}")
+        return GuardHandles(handles)
 
     def finalize(self, blocking: bool = False) -> list[SaveReport]:
         """Commit the in-flight save if its writes ended on every rank (or, blocking, once they
@@ -328,6 +339,18 @@ class AsyncCheckpointer:
     def _check_open(self) -> None:
         if self._closed:
             raise CheckpointError("this AsyncCheckpointer is closed")
+
+
+class GuardHandles:
+    """The hooks `guard` registered; `remove()` takes them all off."""
+
+    def __init__(self, handles: list) -> None:
+        self.handles = handles
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
 
 
 def _is_dir_or_unknown(storage, path: str) -> bool:

@@ -24,7 +24,7 @@ class CheckpointConfig:
         per bucket.
     io_workers: buckets (files), and threads or child processes, per rank.
     staging: "eager" makes schedule_save return once the snapshot is staged; "lazy" returns at once
-        and `wait_staged()` / `guard(optimizer)` block before the state may change.
+        and `wait_staged()` / `guard(optimizer, model)` block before the state may change.
     cache_structure: send only a structure key to the worker when nothing was reallocated.
     format: "torch_save" (stock DCP reader) or "safetensors" (one safetensors file per bucket).
     fsync: fsync every data file, the metadata and the directories.

@@ -98,3 +98,25 @@ def test_unguarded_mutation_before_wait_staged_leaks_and_wait_staged_first_preve
         target = zeros_like_state(values)
         load(target, step_path(ckpt_root, step))
         assert_state_equal(target, values)
+
+
+def test_a_guarded_module_keeps_batchnorm_statistics_of_the_scheduled_step(ckpt_root):
+    """BatchNorm's running statistics change in the next forward, before any optimizer.step():
+    guarding the module makes that forward wait for the worker's copy."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with AsyncCheckpointer(ckpt_root, CheckpointConfig(staging="lazy")) as ckpt:
+        handles = ckpt.guard(model, optimizer)
+        model(torch.randn(4, 8))
+        expected = clone_state(model.state_dict())
+        ckpt.finalize(blocking=True)
+        with paused_worker(ckpt.worker_pid, until_waited=True):
+            ckpt.schedule_save({"model": model.state_dict()}, step=1)
+            model(torch.randn(4, 8))  # updates running_mean / running_var / num_batches_tracked
+        ckpt.finalize(blocking=True)
+        handles.remove()
+    assert not torch.equal(model.state_dict()["1.running_mean"], expected["1.running_mean"])
+    target = {"model": zeros_like_state(expected)}
+    load(target, step_path(ckpt_root, 1))
+    assert_state_equal(target["model"], expected)
