@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv install test example example-ddp example-lightning example-transformers bench bench-load bench-doors bench-lightning bench-incremental bench-transformers lint clean
+.PHONY: venv install test test-here example example-ddp example-lightning example-transformers bench bench-load bench-doors bench-lightning bench-incremental bench-transformers bench-gpu lint clean
 
 venv: $(STAMP)
 
@@ -27,6 +27,16 @@ install: venv
 TEST_PROCESSES ?= 2
 test: venv
 	$(PY) -m pytest -q -ra -n $(TEST_PROCESSES) $(PYTEST_ARGS)
+
+# The suite against this interpreter's own torch and packages, no venv built: how a machine with a
+# preinstalled (CUDA) torch runs it, e.g. `PYTHON=python3 make test-here`. The project is used from
+# this checkout (asyncckpt_worker through a link in .here/); extras that are missing (moto,
+# multi-storage-client, torchtitan, ...) make their tests skip with the reason.
+HERE_PROCESSES ?= auto
+test-here:
+	mkdir -p .here && ln -sfn ../worker .here/asyncckpt_worker
+	PYTHONPATH="$(CURDIR)/.here:$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}" $(PYTHON) -m pytest -q -ra \
+		$$($(PYTHON) -c 'import xdist' 2>/dev/null && echo "-n $(HERE_PROCESSES)") $(PYTEST_ARGS)
 
 example: venv
 	$(PY) examples/train_loop.py --root checkpoints/example --fresh
@@ -62,8 +72,15 @@ bench-transformers: venv
 bench-lightning: venv
 	$(PY) benchmarks/bench_lightning.py --out bench_out/bench_lightning.json
 
+# GPU benchmark (docs/benchmark.md "GPU"): this interpreter's own CUDA torch, no venv; GIB=16 for the large state
+GIB ?= 4
+bench-gpu:
+	mkdir -p .here bench_out && ln -sfn ../worker .here/asyncckpt_worker
+	PYTHONPATH="$(CURDIR)/.here:$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}" $(PYTHON) benchmarks/bench_gpu.py \
+		--size-gib $(GIB) --out bench_out/bench_gpu_$(GIB)gib.json
+
 lint: venv
 	$(PY) -m pyflakes asyncckpt worker tests examples benchmarks
 
 clean:
-	rm -rf $(VENV) checkpoints bench_out
+	rm -rf $(VENV) .here checkpoints bench_out
