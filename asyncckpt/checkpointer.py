@@ -167,6 +167,37 @@ class AsyncCheckpointer:
             self.wait_staged()
         flight.blocked_s = time.perf_counter() - started
 
+    def prepare(self, state_dict: dict[str, Any]) -> None:
+        """Do a save's one-time work now, so the first `schedule_save` of this state costs what a
+        later one does. Call it where nothing changes the state (e.g. before the training loop):
+        it plans the save (a collective with several ranks: every rank calls it at the same point),
+        moves CPU tensors into shared memory in place (about a second per GiB, here, once) and
+        hands the tensors to the worker, which allocates, faults in and (for CUDA tensors) pins
+        its staging slab in the background. Optional: without it the first save does all this."""
+        self._check_open()
+        if not isinstance(state_dict, dict):
+            raise TypeError(f"state_dict must be a dict, not {type(state_dict).__name__}")
+        if self._in_flight is not None:
+            self._finish_in_flight(blocking=True)
+        local, problem = None, None
+        try:
+            local = self._planning.local(state_dict, self._group.is_coordinator)
+        except Exception as exc:  # every rank must reach the agreement, whatever went wrong here
+            problem = exc
+        changed, failed = self._group.agree(
+            [local is None or self._planning.changed(local), int(problem is not None)], "prepare", -1
+        )
+        if failed:
+            causes = self._group.all_gather(None if problem is None else f"{type(problem).__name__}: {problem}")
+            if self._group.size == 1 and problem is not None:
+                raise problem
+            raise CheckpointError("prepare failed: " + "; ".join(f"rank {r}: {p}" for r, p in enumerate(causes) if p))
+        planned = self._planning.build(local, self._group) if changed else self._planning.reuse(local)
+        snapshot = take_snapshot(planned)
+        self._warn_about_copies(snapshot)
+        self._worker.ensure_alive()
+        self._worker.prepare(snapshot)
+
     def wait_staged(self) -> None:
         """Block until the in-flight save's snapshot is copied (bounded by timeout_s)."""
         flight = self._in_flight

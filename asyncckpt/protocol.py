@@ -2,6 +2,7 @@
 
 Flow for one save: the trainer sends `SaveRequest`; the worker answers `Staged` once its copy
 is taken (the trainer may mutate its tensors from then on), then `WriteDone` or `SaveFailed`.
+A `prepare_only` request (AsyncCheckpointer.prepare) is answered `Prepared` or `SaveFailed`.
 """
 
 from __future__ import annotations
@@ -122,6 +123,7 @@ class SaveRequest:
     kept_from: str = ""
     kept_tensors: dict[int, int] = field(default_factory=dict)
     slot: int = 0
+    prepare_only: bool = False  # cache the structure and ready the slab for it; stage and write nothing
 
 
 @dataclass(frozen=True)
@@ -133,6 +135,16 @@ class Ready:
 @dataclass(frozen=True)
 class Shutdown:
     """Trainer -> worker: finish nothing new, exit the serve loop."""
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """Worker -> trainer, for a `prepare_only` request: it holds the structure, and its staging
+    slab is allocated, faulted in (pinned, for CUDA tensors) and big enough for a save of it."""
+
+    save_id: int
+    seconds: float
+    slab_bytes: int
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from .commit import RankOutcome
 from .config import CheckpointConfig, write_options
 from .errors import CheckpointTimeoutError, WorkerDiedError
 from .inflight import InFlightSave
-from .protocol import CACHE_SLOTS, IncrementalBase, SaveFailed, SaveRequest, Staged, WorkerSettings, WriteDone
+from .protocol import CACHE_SLOTS, IncrementalBase, Prepared, SaveFailed, SaveRequest, Staged, WorkerSettings, WriteDone
 from .snapshot import Snapshot, WorkerHolds, tensors_to_send
 
 log = logging.getLogger("asyncckpt")
@@ -32,6 +32,7 @@ class RankWorker:
         self._client: Optional[WorkerClient] = None
         self._holds: list[Optional[WorkerHolds]] = [None] * CACHE_SLOTS
         self._next_save_id = 0
+        self._preparing: Optional[int] = None  # the id of a preparation not answered yet
         self.start()  # spawn now, so the first save does not pay for the interpreter start
 
     @property
@@ -59,10 +60,11 @@ class RankWorker:
         )
         self._client = WorkerClient(settings, self.config.worker_start_timeout_s)
         self._client.start()
-        self._holds = [None] * CACHE_SLOTS
+        self._holds, self._preparing = [None] * CACHE_SLOTS, None
 
     def ensure_alive(self) -> None:
         """A worker that is gone (crashed, killed, or reset after a failure) is replaced."""
+        self._await_prepared()
         if self._client is None or not self._client.is_alive():
             if self._client is not None:
                 log.warning("checkpoint worker pid %s is gone; starting a new one", self._client.pid)
@@ -73,12 +75,41 @@ class RankWorker:
         """Let go of the worker (killed, or asked to exit); the next save starts a new one."""
         if self._client is not None:
             self._client.kill() if kill else self._client.stop()
-        self._client, self._holds = None, [None] * CACHE_SLOTS
+        self._client, self._holds, self._preparing = None, [None] * CACHE_SLOTS, None
 
     def stop(self) -> None:
         if self._client is not None:
             self._client.stop()
             self._client = None
+
+    # preparation ---------------------------------------------------------------------------------
+    def prepare(self, snapshot: Snapshot, slot: int = 0) -> None:
+        """Hand the worker the structure and tensors of `snapshot` ahead of the first save, so it
+        readies its slab meanwhile (the answer is taken before the next save)."""
+        request = self.request_for(snapshot, "", "", (), slot, prepare_only=True)
+        self._client.send(request, self.config.timeout_s)
+        self._holds[request.slot] = WorkerHolds(snapshot.structure_key, snapshot.fingerprints, snapshot.tensors)
+        self._preparing = request.save_id
+
+    def _await_prepared(self) -> None:
+        """Take the answer to a preparation (waiting for it, bounded): a preparation that failed
+        is logged, and the save sends everything as if there had been none."""
+        save_id, self._preparing = self._preparing, None
+        if save_id is None or self._client is None:
+            return
+        try:
+            answer = self._client.take(save_id, (Prepared, SaveFailed), self.config.timeout_s)
+        except (CheckpointTimeoutError, WorkerDiedError) as exc:
+            log.warning("rank %d: preparing the first save failed (%s); the save starts over", self.rank, exc)
+            self.reset(kill=True)
+            return
+        if isinstance(answer, SaveFailed):
+            log.warning("rank %d: preparing the first save failed (%s); the save starts over", self.rank,
+                        self._describe_failure(answer))
+            self._holds = [None] * CACHE_SLOTS
+        else:
+            log.debug("rank %d: the worker prepared a %.1f MB slab in %.2fs", self.rank, answer.slab_bytes / 1e6,
+                      answer.seconds)
 
     # one save ------------------------------------------------------------------------------------
     def send(self, flight: InFlightSave, snapshot: Snapshot, bases: tuple[IncrementalBase, ...], slot: int = 0) -> None:
@@ -95,7 +126,8 @@ class RankWorker:
         self._holds[request.slot] = WorkerHolds(snapshot.structure_key, snapshot.fingerprints, snapshot.tensors)
 
     def request_for(
-        self, snapshot: Snapshot, step_dir: str, file_tag: str, bases: tuple[IncrementalBase, ...] = (), slot: int = 0
+        self, snapshot: Snapshot, step_dir: str, file_tag: str, bases: tuple[IncrementalBase, ...] = (), slot: int = 0,
+        prepare_only: bool = False,
     ) -> SaveRequest:
         held = self._holds[slot] if self.config.cache_structure else None
         send = tensors_to_send(snapshot, held)
@@ -113,6 +145,7 @@ class RankWorker:
             kept_from=held.structure_key if send.kept else "",
             kept_tensors=send.kept,
             slot=slot,
+            prepare_only=prepare_only,
         )
 
     def await_staged(self, flight: InFlightSave) -> None:

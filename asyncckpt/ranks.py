@@ -23,7 +23,7 @@ from .config import CheckpointConfig
 from .errors import CheckpointError
 
 
-_CALL_KINDS = {"schedule_save": 1, "finalize": 2}
+_CALL_KINDS = {"schedule_save": 1, "finalize": 2, "prepare": 3}
 
 
 def collective_timeout_s(config: CheckpointConfig) -> float:
@@ -88,8 +88,8 @@ class RankGroup:
         if highs != lows:
             raise CheckpointError(
                 f"rank {self.rank}: ranks disagree at {what} of step {step} (calls {lows[0]}..{highs[0]}, "
-                f"steps {lows[2]}..{highs[2]}); all ranks must call schedule_save and finalize at the "
-                "same points with the same step"
+                f"steps {lows[2]}..{highs[2]}); all ranks must call prepare, schedule_save and finalize at "
+                "the same points with the same step"
             )
         return [int(v) for v in values[6:]]
 

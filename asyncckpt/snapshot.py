@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import resource
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Optional
 
@@ -59,6 +60,7 @@ def take_snapshot(planned: PlannedSave) -> Snapshot:
     sharing = shared_memory_needed(resolved.values())
     check_shm_space(sharing.nbytes)  # a full /dev/shm is a SIGBUS, not an error
     ensure_fd_room(sharing.segments)  # each shared storage holds a descriptor
+    move_into_shared_memory(resolved.values())
     for pos, item in enumerate(planned.plan.items):
         if not is_tensor_item(item):
             objects[pos] = _pickled_object(planned, item)
@@ -209,6 +211,35 @@ def check_shm_space(needed: int, free: Optional[int] = None, path: str = SHM_DIR
         f"or remount the tmpfs with a larger size=), or save fewer bytes per process (shard the state "
         f"over more ranks). Nothing was written."
     )
+
+
+SHARE_THREADS = 4
+
+
+def move_into_shared_memory(resolved) -> None:
+    """Move the storages of these (tensor, fresh) pairs that can move in place into shared
+    memory, each storage once, largest first, on a few threads (most of the time is the kernel
+    allocating and zeroing tmpfs pages, which runs in parallel). One that fails is left as it
+    was: `_shareable_tensor` then copies it or names the entry in its error."""
+    storages = {}
+    for tensor, fresh in resolved:
+        if tensor.is_cuda or fresh:
+            continue
+        storage = tensor.untyped_storage()
+        if not storage.is_shared() and storage.resizable():
+            storages.setdefault(storage.data_ptr(), storage)
+    if not storages:
+        return
+
+    def move(storage) -> None:
+        try:
+            storage.share_memory_()
+        except RuntimeError:
+            pass
+
+    largest_first = sorted(storages.values(), key=lambda storage: -storage.nbytes())
+    with ThreadPoolExecutor(min(SHARE_THREADS, len(largest_first)), thread_name_prefix="asyncckpt-share") as pool:
+        list(pool.map(move, largest_first))
 
 
 def _shareable_tensor(tensor: torch.Tensor, fresh: bool, fqn: str) -> tuple[torch.Tensor, bool]:

@@ -17,6 +17,11 @@ def staged_size(spec: ItemSpec) -> int:
     return (spec.nbytes + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT if spec.kind == TENSOR else 0
 
 
+def staging_need(items: Sequence[ItemSpec]) -> int:
+    """Bytes a save of `items` stages at once without a budget: every tensor, aligned."""
+    return sum(staged_size(spec) for spec in items)
+
+
 @dataclass
 class Bucket:
     """One data file and the item positions it holds, in write order; `format` says how its

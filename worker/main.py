@@ -20,8 +20,9 @@ from typing import Optional
 import torch
 
 from asyncckpt.formats import use_fast_serialization
-from asyncckpt.protocol import Ready, SaveFailed, SaveRequest, Shutdown, Staged, WorkerSettings
+from asyncckpt.protocol import Prepared, Ready, SaveFailed, SaveRequest, Shutdown, Staged, WorkerSettings
 
+from .buckets import staging_need
 from .cache import CacheMiss, StructureCache
 from .forked import child_main
 from .forkserver import ForkServer
@@ -75,6 +76,12 @@ class ServeLoop:
         try:
             entry, hit = self.cache.apply(request)
             request.fresh_tensors.clear()  # the cache holds them now
+            if request.prepare_only:
+                phase = "prepare"
+                options = request.options
+                self.pool.prepare(staging_need(entry.items), options.staging_budget_bytes, entry.sources)
+                self.conn.send(Prepared(request.save_id, time.perf_counter() - started, self.pool.capacity))
+                return
             phase = "staging"
             done = run_save(request, entry, self.pool, self.writers, self.settings.rank, staged)
             self.conn.send(done)

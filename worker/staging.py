@@ -9,6 +9,7 @@ larger than the budget passes through it in pieces (`pieces`).
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import sys
@@ -80,7 +81,7 @@ class StagingPool:
                 views[pos] = flat.view(spec.dtype).view(spec.shape)
         return views
 
-    def _ensure_capacity(self, nbytes: int, budget: Optional[int]) -> None:
+    def _ensure_capacity(self, nbytes: int, budget: Optional[int], fault: bool = False) -> None:
         if self._slab is not None and self._slab.numel() >= nbytes:
             return
         size = max(nbytes, ALIGNMENT)
@@ -99,6 +100,8 @@ class StagingPool:
             os.close(fd)
             raise
         self._slab_fd = fd
+        if self._pin or fault:  # registering faulted pages is several times faster than faulting one by one
+            fault_in(self._slab)
         if self._pin:
             self._pin_slab()
         self.generation += 1
@@ -120,6 +123,19 @@ class StagingPool:
             self._pin = True
         if self._slab is not None and not self._pinned:
             self._pin_slab()
+
+    def prepare(self, nbytes: int, budget: Optional[int], sources: Sequence[Optional[torch.Tensor]]) -> None:
+        """A first save's one-time work, ahead of it: a slab for `nbytes` of staged tensors (at
+        most the budget), its pages faulted in on several threads and, when a source is on a
+        GPU, pinned; the CPU sources' shared pages mapped in. The save then only copies."""
+        cuda = sorted({src.device.index for src in sources if src is not None and src.is_cuda})
+        if cuda and not self._pin:
+            torch.cuda.set_device(cuda[0])
+            self._pin = True
+        self._ensure_capacity(min(nbytes, budget) if budget else nbytes, budget, fault=True)
+        host = [src.untyped_storage() for src in sources if src is not None and not src.is_cuda and src.numel()]
+        with ThreadPoolExecutor(FAULT_THREADS, thread_name_prefix="asyncckpt-prepare") as pool:
+            list(pool.map(lambda storage: populate(storage.data_ptr(), storage.nbytes(), READ), host))
 
     def share(self) -> Optional[SlabShare]:
         """How a forked writer maps the slab (None before the first layout)."""
@@ -222,6 +238,33 @@ class StagingPool:
             staged = flat[:nbytes].view(piece.dtype).view(piece.shape)
             self.copy_in([piece], [staged])
             yield flat[:nbytes].numpy()
+
+
+READ, WRITE = 22, 23  # MADV_POPULATE_READ / MADV_POPULATE_WRITE (Linux 5.14)
+_PAGE = mmap.PAGESIZE
+_FAULT_CHUNK = 64 << 20
+FAULT_THREADS = max(2, min(8, os.cpu_count() or 1))
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def populate(start: int, nbytes: int, how: int) -> None:
+    """Fault in the pages of the `nbytes` at address `start` for reading or writing, so a later
+    copy meets no page fault. Where madvise cannot (an older kernel), touch one byte per page
+    (for writing: only on memory whose contents do not matter)."""
+    first = start - start % _PAGE
+    if _libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(start + nbytes - first), how) == 0:
+        return
+    pages = torch.frombuffer((ctypes.c_ubyte * nbytes).from_address(start), dtype=torch.uint8)[::_PAGE]
+    pages.fill_(0) if how == WRITE else int(pages.sum())
+
+
+def fault_in(slab: torch.Tensor) -> None:
+    """Fault in every page of a fresh slab, in chunks on several threads (one thread faults
+    about 1 GB/s; the first copy into the slab would otherwise pay for it on the trainer's time)."""
+    base, size = slab.data_ptr(), slab.numel()
+    chunks = [(base + start, min(_FAULT_CHUNK, size - start)) for start in range(0, size, _FAULT_CHUNK)]
+    with ThreadPoolExecutor(FAULT_THREADS, thread_name_prefix="asyncckpt-fault") as pool:
+        list(pool.map(lambda chunk: populate(*chunk, WRITE), chunks))
 
 
 def by_cuda_device(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> dict[int, list]:
