@@ -109,9 +109,7 @@ def load(
     Safe for checkpoints from anywhere unless `trusted=True`, which allows full unpickling of
     `.metadata` and of objects (paths and byte ranges are checked either way). `no_dist=True`:
     this process loads alone, with no collective, even inside a distributed job."""
-    storage = storage_for(path)
-    if not storage.exists(storage.join(path, METADATA_FILE)):
-        raise CheckpointError(f"{path!r} is not a committed checkpoint (no {METADATA_FILE})")
+    require_committed(path)
     reader = SafeReader(path, trusted=trusted)
     metadata = reader.read_metadata()  # a refused .metadata fails here, with its own message, on every rank
     check_no_stateless_optimizer(state_dict, metadata, path)
@@ -138,6 +136,18 @@ def load(
         if reader.touched:  # this rank's tensors were being written (or were, and another rank failed)
             raise PartialLoadError(f"loading {path!r} failed: {causes}; {PARTLY_LOADED}") from exc
         raise CheckpointError(f"loading {path!r} failed: {causes}; {NOT_CHANGED}") from exc
+
+
+def require_committed(path: str) -> None:
+    """CheckpointError unless `path` holds a committed checkpoint, saying what is there instead."""
+    storage = storage_for(path)
+    if storage.exists(storage.join(path, METADATA_FILE)):
+        return
+    if storage.exists(path):
+        raise CheckpointError(f"{path!r} is a file, not a checkpoint directory")
+    if not storage.is_dir(path):
+        raise CheckpointError(f"{path!r}: no such checkpoint directory")
+    raise CheckpointError(f"{path!r} is not a committed checkpoint (no {METADATA_FILE})")
 
 
 def _describe(exc: BaseException) -> str:
@@ -167,8 +177,7 @@ def verify_checkpoint(path: str, trusted: bool = False) -> list[str]:
     or one line saying why it cannot be verified. A damaged `.metadata` or sidecar raises
     CheckpointError naming the file. `trusted` as for `load` (how `.metadata` is unpickled)."""
     storage = storage_for(path)
-    if not storage.exists(storage.join(path, METADATA_FILE)):
-        raise CheckpointError(f"{path!r} is not a committed checkpoint (no {METADATA_FILE})")
+    require_committed(path)
     metadata = read_metadata(path, trusted=trusted)
     file = find_sidecar(storage, path, metadata)
     if file is None:
@@ -221,6 +230,9 @@ def cleanup(root: str, dry_run: bool = False) -> list[str]:
     files left open in the step directories are aborted too (their paths are returned).
     Do not run it while a save into `root` is in flight."""
     storage = storage_for(root)
+    if not storage.is_dir(root):
+        what = "is a file, not a checkpoint root" if storage.exists(root) else "no such checkpoint root"
+        raise CheckpointError(f"cleanup: {root!r}: {what}")
     uploads = [u for found in uploads_left_open(storage.open_uploads(root), root=root).values() for u in found]
     leftovers = [storage.join(root, name) for name in storage.list_dir(root) if _TEMP_FILE.match(name)]
     for info in list_checkpoints(root, storage):

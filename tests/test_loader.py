@@ -205,6 +205,21 @@ def test_damaged_checkpoint_raises_naming_file_and_item_and_the_state_left(saved
         assert_bitwise_equal(target, fresh_target(source, fill=SENTINEL))
 
 
+def test_a_path_that_is_no_checkpoint_is_named_for_what_it_is(tmp_path):
+    """A mistyped path says there is no such directory, not that a checkpoint there is uncommitted."""
+    from asyncckpt import verify_checkpoint
+
+    missing, torn, file = str(tmp_path / "missing"), str(tmp_path / "torn"), str(tmp_path / "file")
+    os.mkdir(torn)
+    open(file, "wb").close()
+    for path, expected in [(missing, "no such checkpoint directory"), (file, "is a file, not a checkpoint directory"),
+                           (torn, r"not a committed checkpoint \(no \.metadata\)")]:
+        with pytest.raises(CheckpointError, match=expected):
+            load({"w": torch.zeros(2)}, path)
+        with pytest.raises(CheckpointError, match=expected):
+            verify_checkpoint(path)
+
+
 @pytest.mark.parametrize("algorithm", ["crc32c", "crc32"])
 def test_checksums_of_pieces_combine_into_the_items(algorithm):
     """Pieces of one item are checksummed on different threads and combined."""
