@@ -28,6 +28,7 @@ from .inflight import InFlightSave
 from .rank_worker import RankWorker
 from .report import SaveReport, publish
 from .retention import Janitor, discard_uncommitted
+from .safety import refused_globals, refused_objects_text
 from .protocol import CACHE_SLOTS
 from .snapshot import Snapshot, copies_warning, take_snapshot
 from .storage import storage_for
@@ -68,6 +69,7 @@ class AsyncCheckpointer:
         self._committed: list[SaveReport] = []
         self._closed = False
         self._warned_copies = False
+        self._warned_refused: set[str] = set()  # entries already named as refused by weights_only loading
         self._janitor = Janitor()  # retention, after each commit's verdict
         self._incremental = Continuation(config.incremental, self.rank)
         at_exit.track(self)
@@ -155,6 +157,7 @@ class AsyncCheckpointer:
         try:
             snapshot = take_snapshot(planned)
             self._warn_about_copies(snapshot)
+            self._warn_about_refused_objects(snapshot)
             self._worker.ensure_alive()
             self._worker.send(flight, snapshot, bases, cache_slot)
         except Exception as exc:  # e.g. an entry that cannot be resolved or shared
@@ -324,6 +327,23 @@ class AsyncCheckpointer:
         if message and not self._warned_copies:
             self._warned_copies = True
             log.warning(message)
+
+    def _warn_about_refused_objects(self, snapshot: Snapshot) -> None:
+        """Once per entry: objects that loading refuses by default would otherwise be found only
+        at resume. Their pickles are scanned, never unpickled (tensors are not pickled)."""
+        refused = {}
+        for pos, data in snapshot.objects.items():
+            fqn = snapshot.items[pos].index.fqn
+            if fqn not in self._warned_refused and (found := refused_globals(data)):
+                refused[fqn] = found
+        if refused:
+            self._warned_refused.update(refused)
+            log.warning(
+                "%d state entries are saved as objects that loading refuses by default (weights_only=True): %s. "
+                "Resuming will need trusted=True (load_latest, asyncckpt.load; Lightning: AsyncCheckpointIO(trusted=True)), "
+                "only for checkpoints you trust; or keep these entries as tensors or plain Python values "
+                "(numbers, strings, lists, dicts)", len(refused), refused_objects_text(refused),
+            )
 
     def _check_open(self) -> None:
         if self._closed:
