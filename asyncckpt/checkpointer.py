@@ -196,16 +196,18 @@ class AsyncCheckpointer:
         reports, self._committed = self._committed, []
         return reports
 
-    def load_latest(self, state_dict: dict[str, Any], *, trusted: bool = False) -> Optional[int]:
+    def load_latest(self, state_dict: dict[str, Any], *, trusted: bool = False, checksums: bool = True) -> Optional[int]:
         """Load the newest committed checkpoint into `state_dict` in place; return its step, or
         None when there is none (a fresh start). Objects load with `weights_only=True` unless
-        `trusted=True` (needed for e.g. custom classes or NumPy RNG states in the state)."""
+        `trusted=True` (needed for e.g. custom classes or NumPy RNG states in the state).
+        `checksums=False` checks no checksums (for an intact checkpoint whose checksums sidecar
+        is damaged)."""
         if self.root is None:
             raise CheckpointError("load_latest needs a checkpoint root: AsyncCheckpointer(root, ...)")
         info = latest_checkpoint(self.root)  # the root may itself be a symlink; that is fine
         if info is None:
             return None
-        load(state_dict, info.path, trusted=trusted, process_group=self._group.pg)
+        load(state_dict, info.path, trusted=trusted, process_group=self._group.pg, checksums=checksums)
         self._incremental.resumed(info.path)  # the next save continues from it
         log.info("resumed from %s (step %d)", info.path, info.step)
         return info.step

@@ -101,16 +101,19 @@ def latest_checkpoint(root: str) -> Optional[CheckpointInfo]:
 
 def load(
     state_dict: dict[str, Any], path: str, *, verify: bool = False, trusted: bool = False, process_group=None,
-    no_dist: bool = False,
+    no_dist: bool = False, checksums: bool = True,
 ) -> None:
     """Load a committed checkpoint into `state_dict` in place (tensors are read into the
     existing tensors; resharding follows DCP). With `verify=True`, checksums are checked first
-    (they are checked as items are read either way).
+    (they are checked as items are read either way). `checksums=False` checks none (for an
+    intact checkpoint whose checksums sidecar is damaged).
     Safe for checkpoints from anywhere unless `trusted=True`, which allows full unpickling of
     `.metadata` and of objects (paths and byte ranges are checked either way). `no_dist=True`:
     this process loads alone, with no collective, even inside a distributed job."""
+    if verify and not checksums:
+        raise ValueError("verify=True checks the checksums; it cannot go with checksums=False")
     require_committed(path)
-    reader = SafeReader(path, trusted=trusted)
+    reader = SafeReader(path, trusted=trusted, checksums=checksums)
     metadata = reader.read_metadata()  # a refused .metadata fails here, with its own message, on every rank
     check_no_stateless_optimizer(state_dict, metadata, path)
     if verify:

@@ -28,7 +28,7 @@ from .safety import (
     refused_objects_text,
 )
 from .storage import LocalStorage, storage_for
-from .verify import find_sidecar, read_sidecar, sidecar_belongs_to
+from .verify import UNCHECKED_HINT, find_sidecar, read_sidecar, sidecar_belongs_to
 
 log = logging.getLogger(__name__)
 
@@ -68,11 +68,13 @@ class SafeReader(StorageReader):
     msc://, s3://). It reads what stock FileSystemReader reads (torch.save items, stream
     transforms) and asyncckpt's raw safetensors items; every path and byte range is checked
     before it is read. Objects need `SafeLoadPlanner` unless `trusted=True`; they are read
-    first, so one that weights_only refuses stops the load before any tensor is written."""
+    first, so one that weights_only refuses stops the load before any tensor is written.
+    `checksums=False` reads without checking checksums (the sidecar is not read)."""
 
-    def __init__(self, path: str, *, trusted: bool = False) -> None:
+    def __init__(self, path: str, *, trusted: bool = False, checksums: bool = True) -> None:
         super().__init__()
         self.trusted = trusted
+        self.use_checksums = checksums
         self._transforms = _StorageReaderTransforms()
         self._metadata_read: dict[tuple[str, str], Metadata] = {}  # load() and DCP both ask for it
         self.reset(path)
@@ -106,7 +108,7 @@ class SafeReader(StorageReader):
         if metadata.storage_data is None:
             raise CheckpointError(f"{self.path}: {METADATA_FILE} has no storage_data")
         self.metadata = metadata
-        self.checksums = self._load_checksums()
+        self.checksums = self._load_checksums() if self.use_checksums else {}
 
     def _load_checksums(self) -> dict[tuple[str, int, int], int]:
         """(file, offset, length) -> checksum from the sidecar, so every item is checked as it is
@@ -114,7 +116,10 @@ class SafeReader(StorageReader):
         path = find_sidecar(self.storage, self.path, self.metadata)
         if path is None:
             return {}
-        sidecar = read_sidecar(self.storage, self.path, path)
+        try:
+            sidecar = read_sidecar(self.storage, self.path, path)
+        except CheckpointError as exc:
+            raise CheckpointError(f"{exc}; {UNCHECKED_HINT}") from None
         if not sidecar_belongs_to(sidecar, self.metadata):
             log.warning("%s belongs to another save of this step (an interrupted re-save); loading unchecked", path)
             return {}

@@ -211,6 +211,11 @@ def test_a_damaged_sidecar_is_a_checkpoint_error_naming_it(tmp_path, capsys, how
     for verify in (True, False):
         with pytest.raises(CheckpointError, match=r"\.checksums\.json"):
             load(zeros_like_state(expected), path, verify=verify)
+    with pytest.raises(CheckpointError, match=r"\.checksums\.json.*checksums=False"):
+        load(zeros_like_state(expected), path)
+    target = zeros_like_state(expected)
+    load(target, path, checksums=False)  # the data is intact: it loads unchecked
+    assert_state_equal(target, expected)
     capsys.readouterr()
     assert cli.main(["verify", "-q", path]) == cli.EXIT_UNREADABLE
     out, err = capsys.readouterr()
