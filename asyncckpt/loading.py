@@ -19,10 +19,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 
 from .errors import CheckpointError, PartialLoadError
-from .formats import SIDECAR_NAME, is_data_file
+from .formats import CHECKSUM_ALGORITHM, SIDECAR_NAME, Sidecar, is_data_file
 from .safe_reader import METADATA_FILE, SafeLoadPlanner, SafeReader, read_metadata
 from .storage import OpenUpload, Storage, storage_for
-from .verify import check_items, find_sidecar, read_sidecar, sidecar_belongs_to, stale_sidecars
+from .verify import UNCHECKED_HINT, check_items, find_sidecar, read_sidecar, sidecar_belongs_to, stale_sidecars
 
 __all__ = ["METADATA_FILE", "SafeLoadPlanner", "SafeReader", "read_metadata"]  # where callers found them
 
@@ -189,6 +189,40 @@ def verify_checkpoint(path: str, trusted: bool = False) -> list[str]:
     if not sidecar_belongs_to(sidecar, metadata):
         return [f"{file} belongs to another save of this step (an interrupted re-save); cannot verify"]
     return [f"{c.relative_path}: {c.name}: {c.problem}" for c in check_items(storage, path, metadata, sidecar) if c.problem]
+
+
+def damage_of(path: str, trusted: bool = False) -> Optional[str]:
+    """Why the committed checkpoint at `path` is damaged, or None when it reads back intact: its
+    `.metadata` and sidecar read safely, and every item reads back whole and matches its checksum
+    (items without one: whole). Stops at the first damaged item; never raises."""
+    try:
+        storage = storage_for(path)
+        metadata = read_metadata(path, trusted=trusted)
+        file = find_sidecar(storage, path, metadata)
+        sidecar = None
+        if file is not None:
+            try:
+                sidecar = read_sidecar(storage, path, file)
+            except CheckpointError as exc:
+                return f"{exc}; {UNCHECKED_HINT}"
+        if sidecar is None or not sidecar_belongs_to(sidecar, metadata):  # nothing to compare with: read back only
+            sidecar = Sidecar(CHECKSUM_ALGORITHM, None, [])
+        for check in check_items(storage, path, metadata, sidecar):
+            if check.problem:
+                return f"{check.relative_path}: {check.name}: {check.problem}"
+    except CheckpointError as exc:
+        return str(exc)
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def resume_order(root: str) -> list[CheckpointInfo]:
+    """The committed checkpoints of `root` in the order `load_latest` tries them: the one
+    `latest_checkpoint` picks, then the others, newest first."""
+    first = latest_checkpoint(root)
+    others = [c for c in reversed(list_checkpoints(root)) if c.committed and c != first]
+    return [first] + others if first is not None else []
 
 
 def unreferenced_files(path: str, names: list[str]) -> list[str]:
