@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from .errors import CheckpointError, PartialLoadError
 from .formats import CHECKSUM_ALGORITHM, SIDECAR_NAME, Sidecar, is_data_file
 from .safe_reader import METADATA_FILE, SafeLoadPlanner, SafeReader, read_metadata
-from .storage import OpenUpload, Storage, storage_for
+from .storage import OpenUpload, Storage, is_remote, storage_for
 from .verify import UNCHECKED_HINT, check_items, find_sidecar, read_sidecar, sidecar_belongs_to, stale_sidecars
 
 __all__ = ["METADATA_FILE", "SafeLoadPlanner", "SafeReader", "read_metadata"]  # where callers found them
@@ -265,9 +265,10 @@ def cleanup(root: str, dry_run: bool = False) -> list[str]:
     followed or removed; nothing a committed checkpoint uses is touched (one whose `.metadata`
     cannot be read safely is left alone). On an object store, the multipart uploads of data
     files left open in the step directories are aborted too (their paths are returned).
-    Do not run it while a save into `root` is in flight."""
+    Do not run it while a save into `root` is in flight. A local `root` that is not there, or
+    is a file, raises CheckpointError."""
     storage = storage_for(root)
-    if not storage.is_dir(root):
+    if not is_remote(root) and not storage.is_dir(root):  # a prefix holding no object may still hold open uploads
         what = "is a file, not a checkpoint root" if storage.exists(root) else "no such checkpoint root"
         raise CheckpointError(f"cleanup: {root!r}: {what}")
     uploads = [u for found in uploads_left_open(storage.open_uploads(root), root=root).values() for u in found]
