@@ -16,6 +16,7 @@ _PUBLIC = {  # name -> the module that defines it
     "CheckpointInfo": "loading",
     "CheckpointTimeoutError": "errors",
     "PartialLoadError": "errors",
+    "ResumeReport": "resume",
     "SaveReport": "report",
     "WorkerDiedError": "errors",
     "async_save": "torch_dcp",

@@ -20,14 +20,16 @@ from .commit import RankOutcome, SaveTarget, finish_save
 from .config import CheckpointConfig
 from .errors import CheckpointError
 from .formats import new_file_tag
-from .loading import METADATA_FILE, latest_checkpoint, load, step_dir_name
+from .loading import METADATA_FILE, step_dir_name
 from .incremental import Continuation
 from .planning import Planning
 from .ranks import RankGroup, finalize_bound_s
 from .inflight import InFlightSave
 from .rank_worker import RankWorker
 from .report import SaveReport, publish
+from .resume import ResumeReport, resume
 from .retention import Janitor, discard_uncommitted
+from .safety import refused_globals, refused_objects_text
 from .protocol import CACHE_SLOTS
 from .snapshot import Snapshot, copies_warning, take_snapshot
 from .storage import storage_for
@@ -68,6 +70,8 @@ class AsyncCheckpointer:
         self._committed: list[SaveReport] = []
         self._closed = False
         self._warned_copies = False
+        self._warned_refused: set[str] = set()  # entries already named as refused by weights_only loading
+        self.resume_report: Optional[ResumeReport] = None  # what load_latest resumed from, what it skipped
         self._janitor = Janitor()  # retention, after each commit's verdict
         self._incremental = Continuation(config.incremental, self.rank)
         self._worker = RankWorker(config, self.rank)  # starts now, so the first save does not wait for it
@@ -155,6 +159,7 @@ class AsyncCheckpointer:
         try:
             snapshot = take_snapshot(planned)
             self._warn_about_copies(snapshot)
+            self._warn_about_refused_objects(snapshot)
             self._worker.ensure_alive()
             self._worker.send(flight, snapshot, bases, cache_slot)
         except Exception as exc:  # e.g. an entry that cannot be resolved or shared
@@ -235,19 +240,25 @@ class AsyncCheckpointer:
         reports, self._committed = self._committed, []
         return reports
 
-    def load_latest(self, state_dict: dict[str, Any], *, trusted: bool = False) -> Optional[int]:
+    def load_latest(
+        self, state_dict: dict[str, Any], *, trusted: bool = False, strict: bool = False, checksums: bool = True
+    ) -> Optional[int]:
         """Load the newest committed checkpoint into `state_dict` in place; return its step, or
-        None when there is none (a fresh start). Objects load with `weights_only=True` unless
-        `trusted=True` (needed for e.g. custom classes or NumPy RNG states in the state)."""
+        None when there is none (a fresh start). A damaged one is skipped with a WARNING for the
+        next older that loads (`resume_report` says which, and why); `strict=True` raises instead.
+        Objects load with `weights_only=True` unless `trusted=True` (needed for e.g. custom
+        classes or NumPy RNG states in the state). `checksums=False` checks no checksums (for an
+        intact checkpoint whose checksums sidecar is damaged)."""
         if self.root is None:
             raise CheckpointError("load_latest needs a checkpoint root: AsyncCheckpointer(root, ...)")
-        info = latest_checkpoint(self.root)  # the root may itself be a symlink; that is fine
-        if info is None:
+        report = resume(state_dict, self.root, self._group, trusted=trusted, strict=strict, checksums=checksums)
+        self.resume_report = report
+        if report is None:
             return None
-        load(state_dict, info.path, trusted=trusted, process_group=self._group.pg)
-        self._incremental.resumed(info.path)  # the next save continues from it
-        log.info("resumed from %s (step %d)", info.path, info.step)
-        return info.step
+        self._incremental.resumed(report.path)  # the next save continues from it
+        skipped = f", {len(report.skipped)} newer damaged checkpoints skipped" if report.skipped else ""
+        log.info("resumed from %s (step %d)%s", report.path, report.step, skipped)
+        return report.step
 
     def resumed_from(self, path: str) -> None:
         """Incremental: the next save reuses what it can of committed checkpoint `path`, which
@@ -366,6 +377,23 @@ class AsyncCheckpointer:
         if message and not self._warned_copies:
             self._warned_copies = True
             log.warning(message)
+
+    def _warn_about_refused_objects(self, snapshot: Snapshot) -> None:
+        """Once per entry: objects that loading refuses by default would otherwise be found only
+        at resume. Their pickles are scanned, never unpickled (tensors are not pickled)."""
+        refused = {}
+        for pos, data in snapshot.objects.items():
+            fqn = snapshot.items[pos].index.fqn
+            if fqn not in self._warned_refused and (found := refused_globals(data)):
+                refused[fqn] = found
+        if refused:
+            self._warned_refused.update(refused)
+            log.warning(
+                "%d state entries are saved as objects that loading refuses by default (weights_only=True): %s. "
+                "Resuming will need trusted=True (load_latest, asyncckpt.load; Lightning: AsyncCheckpointIO(trusted=True)), "
+                "only for checkpoints you trust; or keep these entries as tensors or plain Python values "
+                "(numbers, strings, lists, dicts)", len(refused), refused_objects_text(refused),
+            )
 
     def _check_open(self) -> None:
         if self._closed:

@@ -19,10 +19,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 
 from .errors import CheckpointError, PartialLoadError
-from .formats import SIDECAR_NAME, is_data_file
+from .formats import CHECKSUM_ALGORITHM, SIDECAR_NAME, Sidecar, is_data_file
 from .safe_reader import METADATA_FILE, SafeLoadPlanner, SafeReader, read_metadata
-from .storage import OpenUpload, Storage, storage_for
-from .verify import check_items, find_sidecar, read_sidecar, sidecar_belongs_to, stale_sidecars
+from .storage import OpenUpload, Storage, is_remote, storage_for
+from .verify import UNCHECKED_HINT, check_items, find_sidecar, read_sidecar, sidecar_belongs_to, stale_sidecars
 
 __all__ = ["METADATA_FILE", "SafeLoadPlanner", "SafeReader", "read_metadata"]  # where callers found them
 
@@ -101,18 +101,19 @@ def latest_checkpoint(root: str) -> Optional[CheckpointInfo]:
 
 def load(
     state_dict: dict[str, Any], path: str, *, verify: bool = False, trusted: bool = False, process_group=None,
-    no_dist: bool = False,
+    no_dist: bool = False, checksums: bool = True,
 ) -> None:
     """Load a committed checkpoint into `state_dict` in place (tensors are read into the
     existing tensors; resharding follows DCP). With `verify=True`, checksums are checked first
-    (they are checked as items are read either way).
+    (they are checked as items are read either way). `checksums=False` checks none (for an
+    intact checkpoint whose checksums sidecar is damaged).
     Safe for checkpoints from anywhere unless `trusted=True`, which allows full unpickling of
     `.metadata` and of objects (paths and byte ranges are checked either way). `no_dist=True`:
     this process loads alone, with no collective, even inside a distributed job."""
-    storage = storage_for(path)
-    if not storage.exists(storage.join(path, METADATA_FILE)):
-        raise CheckpointError(f"{path!r} is not a committed checkpoint (no {METADATA_FILE})")
-    reader = SafeReader(path, trusted=trusted)
+    if verify and not checksums:
+        raise ValueError("verify=True checks the checksums; it cannot go with checksums=False")
+    require_committed(path)
+    reader = SafeReader(path, trusted=trusted, checksums=checksums)
     metadata = reader.read_metadata()  # a refused .metadata fails here, with its own message, on every rank
     check_no_stateless_optimizer(state_dict, metadata, path)
     if verify:
@@ -138,6 +139,18 @@ def load(
         if reader.touched:  # this rank's tensors were being written (or were, and another rank failed)
             raise PartialLoadError(f"loading {path!r} failed: {causes}; {PARTLY_LOADED}") from exc
         raise CheckpointError(f"loading {path!r} failed: {causes}; {NOT_CHANGED}") from exc
+
+
+def require_committed(path: str) -> None:
+    """CheckpointError unless `path` holds a committed checkpoint, saying what is there instead."""
+    storage = storage_for(path)
+    if storage.exists(storage.join(path, METADATA_FILE)):
+        return
+    if storage.exists(path):
+        raise CheckpointError(f"{path!r} is a file, not a checkpoint directory")
+    if not storage.is_dir(path):
+        raise CheckpointError(f"{path!r}: no such checkpoint directory")
+    raise CheckpointError(f"{path!r} is not a committed checkpoint (no {METADATA_FILE})")
 
 
 def _describe(exc: BaseException) -> str:
@@ -167,8 +180,7 @@ def verify_checkpoint(path: str, trusted: bool = False) -> list[str]:
     or one line saying why it cannot be verified. A damaged `.metadata` or sidecar raises
     CheckpointError naming the file. `trusted` as for `load` (how `.metadata` is unpickled)."""
     storage = storage_for(path)
-    if not storage.exists(storage.join(path, METADATA_FILE)):
-        raise CheckpointError(f"{path!r} is not a committed checkpoint (no {METADATA_FILE})")
+    require_committed(path)
     metadata = read_metadata(path, trusted=trusted)
     file = find_sidecar(storage, path, metadata)
     if file is None:
@@ -177,6 +189,40 @@ def verify_checkpoint(path: str, trusted: bool = False) -> list[str]:
     if not sidecar_belongs_to(sidecar, metadata):
         return [f"{file} belongs to another save of this step (an interrupted re-save); cannot verify"]
     return [f"{c.relative_path}: {c.name}: {c.problem}" for c in check_items(storage, path, metadata, sidecar) if c.problem]
+
+
+def damage_of(path: str, trusted: bool = False) -> Optional[str]:
+    """Why the committed checkpoint at `path` is damaged, or None when it reads back intact: its
+    `.metadata` and sidecar read safely, and every item reads back whole and matches its checksum
+    (items without one: whole). Stops at the first damaged item; never raises."""
+    try:
+        storage = storage_for(path)
+        metadata = read_metadata(path, trusted=trusted)
+        file = find_sidecar(storage, path, metadata)
+        sidecar = None
+        if file is not None:
+            try:
+                sidecar = read_sidecar(storage, path, file)
+            except CheckpointError as exc:
+                return f"{exc}; {UNCHECKED_HINT}"
+        if sidecar is None or not sidecar_belongs_to(sidecar, metadata):  # nothing to compare with: read back only
+            sidecar = Sidecar(CHECKSUM_ALGORITHM, None, [])
+        for check in check_items(storage, path, metadata, sidecar):
+            if check.problem:
+                return f"{check.relative_path}: {check.name}: {check.problem}"
+    except CheckpointError as exc:
+        return str(exc)
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def resume_order(root: str) -> list[CheckpointInfo]:
+    """The committed checkpoints of `root` in the order `load_latest` tries them: the one
+    `latest_checkpoint` picks, then the others, newest first."""
+    first = latest_checkpoint(root)
+    others = [c for c in reversed(list_checkpoints(root)) if c.committed and c != first]
+    return [first] + others if first is not None else []
 
 
 def unreferenced_files(path: str, names: list[str]) -> list[str]:
@@ -219,8 +265,12 @@ def cleanup(root: str, dry_run: bool = False) -> list[str]:
     followed or removed; nothing a committed checkpoint uses is touched (one whose `.metadata`
     cannot be read safely is left alone). On an object store, the multipart uploads of data
     files left open in the step directories are aborted too (their paths are returned).
-    Do not run it while a save into `root` is in flight."""
+    Do not run it while a save into `root` is in flight. A local `root` that is not there, or
+    is a file, raises CheckpointError."""
     storage = storage_for(root)
+    if not is_remote(root) and not storage.is_dir(root):  # a prefix holding no object may still hold open uploads
+        what = "is a file, not a checkpoint root" if storage.exists(root) else "no such checkpoint root"
+        raise CheckpointError(f"cleanup: {root!r}: {what}")
     uploads = [u for found in uploads_left_open(storage.open_uploads(root), root=root).values() for u in found]
     leftovers = [storage.join(root, name) for name in storage.list_dir(root) if _TEMP_FILE.match(name)]
     for info in list_checkpoints(root, storage):

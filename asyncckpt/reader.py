@@ -87,15 +87,10 @@ class StoredTensor:
     stride: tuple[int, ...]
 
 
-def read_items(
-    items: list[ItemRead], planner: LoadPlanner, sidecar: Optional[Sidecar], decode: Callable[[ItemRead], None],
-    source: Optional[ByteSource] = None,
-) -> None:
-    """Read every item into its target from `source` (local files by default); objects go to
-    `planner.load_bytes`, and items whose layout is not understood are read whole and handed to
-    `decode` (on this thread). Every path and range must have been checked. A failure before the
-    first byte reaches a target raises CheckpointError; one after, PartialLoadError."""
-    source = source or LocalFiles()
+def fetch_items(items: list[ItemRead], sidecar: Optional[Sidecar], source: ByteSource) -> None:
+    """Read every item from `source`: a tensor whose layout is understood lands in its target,
+    anything else (objects included) whole in `item.data`; then check every checksum. Every path
+    and range must have been checked. Reading objects only touches no target."""
     threads = source.threads
     try:
         source.open({item.path for item in items})
@@ -118,7 +113,12 @@ def read_items(
     if sidecar is not None:
         for item in items:
             _check_crc(item, sidecar)
-    for item in items:  # every read succeeded and matched its checksum
+
+
+def place_items(items: list[ItemRead], planner: LoadPlanner, decode: Callable[[ItemRead], None]) -> None:
+    """Once every item was fetched and matched its checksum: objects go to `planner.load_bytes`,
+    items read whole to `decode` (on this thread), tensors read in place are committed."""
+    for item in items:
         if item.req.type == LoadItemType.BYTE_IO:
             planner.load_bytes(item.req, io.BytesIO(item.data))
         elif item.data is not None:

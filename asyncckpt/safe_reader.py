@@ -22,10 +22,13 @@ from torch.futures import Future
 from .errors import CheckpointError
 from .formats import Sidecar, is_safetensors_file
 from .byte_sources import LocalFiles, ObjectRanges
-from .reader import ItemRead, read_items
-from .safety import TRUST_HINT, check_ranges, check_relative_path, load_metadata, load_object, load_tensor, raw_tensor
+from .reader import ItemRead, fetch_items, place_items
+from .safety import (
+    TRUST_HINT, check_ranges, check_relative_path, load_metadata, load_object, load_tensor, raw_tensor, refused_globals,
+    refused_objects_text,
+)
 from .storage import LocalStorage, storage_for
-from .verify import find_sidecar, read_sidecar, sidecar_belongs_to
+from .verify import UNCHECKED_HINT, find_sidecar, read_sidecar, sidecar_belongs_to
 
 log = logging.getLogger(__name__)
 
@@ -64,11 +67,14 @@ class SafeReader(StorageReader):
     """A DCP StorageReader for checkpoints nobody here wrote, on any asyncckpt storage (local,
     msc://, s3://). It reads what stock FileSystemReader reads (torch.save items, stream
     transforms) and asyncckpt's raw safetensors items; every path and byte range is checked
-    before it is read. Objects need `SafeLoadPlanner` unless `trusted=True`."""
+    before it is read. Objects need `SafeLoadPlanner` unless `trusted=True`; they are read
+    first, so one that weights_only refuses stops the load before any tensor is written.
+    `checksums=False` reads without checking checksums (the sidecar is not read)."""
 
-    def __init__(self, path: str, *, trusted: bool = False) -> None:
+    def __init__(self, path: str, *, trusted: bool = False, checksums: bool = True) -> None:
         super().__init__()
         self.trusted = trusted
+        self.use_checksums = checksums
         self._transforms = _StorageReaderTransforms()
         self._metadata_read: dict[tuple[str, str], Metadata] = {}  # load() and DCP both ask for it
         self.reset(path)
@@ -102,7 +108,7 @@ class SafeReader(StorageReader):
         if metadata.storage_data is None:
             raise CheckpointError(f"{self.path}: {METADATA_FILE} has no storage_data")
         self.metadata = metadata
-        self.checksums = self._load_checksums()
+        self.checksums = self._load_checksums() if self.use_checksums else {}
 
     def _load_checksums(self) -> dict[tuple[str, int, int], int]:
         """(file, offset, length) -> checksum from the sidecar, so every item is checked as it is
@@ -110,7 +116,10 @@ class SafeReader(StorageReader):
         path = find_sidecar(self.storage, self.path, self.metadata)
         if path is None:
             return {}
-        sidecar = read_sidecar(self.storage, self.path, path)
+        try:
+            sidecar = read_sidecar(self.storage, self.path, path)
+        except CheckpointError as exc:
+            raise CheckpointError(f"{exc}; {UNCHECKED_HINT}") from None
         if not sidecar_belongs_to(sidecar, self.metadata):
             log.warning("%s belongs to another save of this step (an interrupted re-save); loading unchecked", path)
             return {}
@@ -138,13 +147,32 @@ class SafeReader(StorageReader):
                        self.metadata.storage_data[r.storage_index].length) for r in reqs]
             check_ranges(files[relative_path], sorted(ranges, key=lambda r: r[1]), size)
         items = [self._item_read(files[info_path], req, planner) for info_path, reqs in per_file.items() for req in reqs]
-        decode = lambda item: self._place(item.path, item.req, bytes(item.data), planner)  # noqa: E731
-        source = LocalFiles() if isinstance(self.storage, LocalStorage) else ObjectRanges(self.storage)
+        sidecar = self.sidecar if self.checksums else None
+        objects = [item for item in items if item.req.type == LoadItemType.BYTE_IO]
+        unread = items
+        if objects and not self.trusted:  # read apart, first: nothing of the state is written yet
+            fetch_items(objects, sidecar, self._source())
+            self._refuse_unsafe_objects(objects)
+            unread = [item for item in items if item.req.type != LoadItemType.BYTE_IO]
         self.touched = True
-        read_items(items, planner, self.sidecar if self.checksums else None, decode, source)
+        fetch_items(unread, sidecar, self._source())
+        place_items(items, planner, lambda item: self._place(item.path, item.req, bytes(item.data), planner))
         done: Future = Future()
         done.set_result(None)
         return done
+
+    def _source(self):
+        return LocalFiles() if isinstance(self.storage, LocalStorage) else ObjectRanges(self.storage)
+
+    def _refuse_unsafe_objects(self, objects: list[ItemRead]) -> None:
+        """Refuse, before anything is written, the objects that weights_only unpickling would refuse
+        (the same rule: safety.refused_globals), naming every one."""
+        refused = {item.req.storage_index.fqn: found for item in objects if (found := refused_globals(item.data))}
+        if refused:
+            raise CheckpointError(
+                f"{self.path}: {len(refused)} saved objects need full unpickling, which weights_only=True refuses: "
+                f"{refused_objects_text(refused)}; {TRUST_HINT}"
+            )
 
     def _file_size(self, file: str, reqs: list[ReadItem]) -> int:
         try:

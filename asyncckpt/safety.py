@@ -14,7 +14,7 @@ import io
 import os
 import pickle
 import re
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -127,6 +127,23 @@ def load_object(data: bytes, trusted: bool, what: str) -> Any:
         found = re.search(r"GLOBAL ([\w.]+)", str(exc))
         refused = found.group(1) if found else "a class outside torch's weights_only allow-list"
         raise CheckpointError(f"{what}: refusing to unpickle {refused} (weights_only=True refused it); {TRUST_HINT}") from exc
+
+
+def refused_globals(data: bytes | bytearray) -> Optional[list[str]]:
+    """The classes and functions that `load_object` (weights_only=True) refuses in a torch.save
+    archive `data`: its pickle's GLOBAL opcodes read without unpickling, against torch's own
+    allow-list and what `torch.serialization.add_safe_globals` added. None when that cannot be
+    told (not a zip archive, an opcode the scan does not know): unpickling then decides."""
+    try:
+        return sorted(torch.serialization.get_unsafe_globals_in_checkpoint(io.BytesIO(data)))
+    except Exception:
+        return None
+
+
+def refused_objects_text(refused: dict[str, list[str]]) -> str:
+    """`refused` (entry -> its refused globals) as errors and warnings name it."""
+    shown = [f"{name!r} ({', '.join(found[:3])}{' ...' if len(found) > 3 else ''})" for name, found in refused.items()]
+    return ", ".join(shown[:5]) + (f" and {len(shown) - 5} more" if len(shown) > 5 else "")
 
 
 def load_tensor(data: bytes, what: str) -> torch.Tensor:

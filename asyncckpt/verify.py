@@ -23,6 +23,10 @@ from .storage import Storage
 
 _SAVE_ID = re.compile(r"^[0-9a-f]{32}$")
 READ_CHUNK = 64 << 20
+UNCHECKED_HINT = (
+    "the data may still be intact: to load it without checking checksums, pass checksums=False "
+    "(asyncckpt.load, load_latest)"
+)
 
 
 def committed_save_id(metadata: Metadata) -> Optional[str]:

@@ -4,14 +4,15 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import zlib
 
 import pytest
 import torch
 
-from asyncckpt import AsyncCheckpointer, CheckpointConfig, CheckpointError, load
-from asyncckpt.loading import verify_checkpoint
+from asyncckpt import AsyncCheckpointer, CheckpointConfig, CheckpointError, PartialLoadError, load
+from asyncckpt.loading import PARTLY_LOADED, verify_checkpoint
 from conftest import assert_state_equal, clone_state, step_path, zeros_like_state
 
 
@@ -116,6 +117,51 @@ def test_plain_load_detects_a_flipped_byte_without_verify(tmp_path):
         load({"w": torch.zeros(4096)}, step_dir)
 
 
+def warnings_of(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "asyncckpt" and r.levelno == logging.WARNING]
+
+
+def test_load_latest_skips_damaged_checkpoints_and_leaves_the_state_wholly_the_one_it_loads(tmp_path, caplog):
+    """A damaged newest checkpoint no longer stops every restart: load_latest warns and resumes
+    from the newest one that loads, even after a load that failed half-way into the state."""
+    root = str(tmp_path / "ckpt")
+    states = {step: {"w": torch.full((4096,), float(step)), "b": torch.full((8,), float(step)), "step": step}
+              for step in range(3)}
+    target = {"w": torch.full((4096,), -1.0), "b": torch.full((8,), -1.0), "step": -1}
+    with AsyncCheckpointer(root) as ckpt:
+        for step, state in states.items():
+            ckpt.schedule_save(state, step=step)
+        ckpt.finalize(blocking=True)
+        # a state the checkpoints do not fit is not damage: the newest's error, nothing skipped
+        with caplog.at_level(logging.WARNING, logger="asyncckpt"), pytest.raises(CheckpointError, match="extra"):
+            ckpt.load_latest({**target, "extra": torch.zeros(2)})
+        assert not warnings_of(caplog)
+
+        record = checksum_record(step_path(root, 2), "w")  # found once read into the state: a partial load
+        flip_byte(os.path.join(step_path(root, 2), record["file"]), record["start"] + record["length"] - 100)
+        with open(os.path.join(step_path(root, 1), ".checksums.json"), "w") as f:
+            f.write("{")
+        with pytest.raises(PartialLoadError, match="step_00000002.*checksum mismatch"):
+            ckpt.load_latest(target, strict=True)  # as before: the newest, or an error
+
+        with caplog.at_level(logging.WARNING, logger="asyncckpt"):
+            assert ckpt.load_latest(target) == 0
+        assert_state_equal(target, states[0])  # nothing left of the partial load of step 2
+        report = ckpt.resume_report
+        assert (report.step, report.path) == (0, step_path(root, 0))
+        assert [(s.step, s.path) for s in report.skipped] == [(2, step_path(root, 2)), (1, step_path(root, 1))]
+        first, second = warnings_of(caplog)
+        assert step_path(root, 2) in first and "checksum mismatch" in first, first
+        assert step_path(root, 1) in second and ".checksums.json" in second and "checksums=False" in second, second
+
+        record = checksum_record(step_path(root, 0), "b")
+        flip_byte(os.path.join(step_path(root, 0), record["file"]), record["start"] + record["length"] - 10)
+        with pytest.raises(PartialLoadError) as raised:  # none loads: each named, and the state's condition
+            ckpt.load_latest(target)
+        message = str(raised.value)
+        assert all(step_path(root, step) in message for step in range(3)) and message.endswith(PARTLY_LOADED), message
+
+
 def test_sidecars_of_the_older_crc32_algorithm_still_verify(ckpt_root):
     """Checkpoints written before CRC32C became the default name "crc32" in their sidecar."""
     path, expected = saved_checkpoint(ckpt_root)
@@ -211,6 +257,11 @@ def test_a_damaged_sidecar_is_a_checkpoint_error_naming_it(tmp_path, capsys, how
     for verify in (True, False):
         with pytest.raises(CheckpointError, match=r"\.checksums\.json"):
             load(zeros_like_state(expected), path, verify=verify)
+    with pytest.raises(CheckpointError, match=r"\.checksums\.json.*checksums=False"):
+        load(zeros_like_state(expected), path)
+    target = zeros_like_state(expected)
+    load(target, path, checksums=False)  # the data is intact: it loads unchecked
+    assert_state_equal(target, expected)
     capsys.readouterr()
     assert cli.main(["verify", "-q", path]) == cli.EXIT_UNREADABLE
     out, err = capsys.readouterr()

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
-from asyncckpt import AsyncCheckpointer, CheckpointConfig, cleanup, latest_checkpoint, list_checkpoints
+from asyncckpt import AsyncCheckpointer, CheckpointConfig, CheckpointError, cleanup, latest_checkpoint, list_checkpoints
 
 
 def save_steps(root: str, steps, **config) -> None:
@@ -123,3 +124,12 @@ def test_cleanup_keeps_what_it_cannot_identify_as_a_save(tmp_path):
     assert cleanup(root) == []
     for path in [os.path.join(with_notes, "README.txt"), os.path.join(with_subdir, "nested", "file.bin"), *others]:
         assert os.path.exists(path)
+
+
+def test_cleanup_of_a_root_that_is_not_there_says_so(tmp_path):
+    """A mistyped root is an error, not an empty list that reads as "nothing to clean"."""
+    with pytest.raises(CheckpointError, match="no such checkpoint root"):
+        cleanup(str(tmp_path / "nonexistent"))
+    with pytest.raises(CheckpointError, match="is a file, not a checkpoint root"):
+        cleanup(write(str(tmp_path / "a_file")))
+    assert cleanup(str(tmp_path)) == []  # an existing root with nothing to clean

@@ -205,6 +205,21 @@ def test_damaged_checkpoint_raises_naming_file_and_item_and_the_state_left(saved
         assert_bitwise_equal(target, fresh_target(source, fill=SENTINEL))
 
 
+def test_a_path_that_is_no_checkpoint_is_named_for_what_it_is(tmp_path):
+    """A mistyped path says there is no such directory, not that a checkpoint there is uncommitted."""
+    from asyncckpt import verify_checkpoint
+
+    missing, torn, file = str(tmp_path / "missing"), str(tmp_path / "torn"), str(tmp_path / "file")
+    os.mkdir(torn)
+    open(file, "wb").close()
+    for path, expected in [(missing, "no such checkpoint directory"), (file, "is a file, not a checkpoint directory"),
+                           (torn, r"not a committed checkpoint \(no \.metadata\)")]:
+        with pytest.raises(CheckpointError, match=expected):
+            load({"w": torch.zeros(2)}, path)
+        with pytest.raises(CheckpointError, match=expected):
+            verify_checkpoint(path)
+
+
 @pytest.mark.parametrize("algorithm", ["crc32c", "crc32"])
 def test_checksums_of_pieces_combine_into_the_items(algorithm):
     """Pieces of one item are checksummed on different threads and combined."""
@@ -263,17 +278,20 @@ def range_log(monkeypatch):
 @pytest.mark.parametrize("scheme", ["s3", "msc"])
 @pytest.mark.parametrize("fmt", ["torch_save", "safetensors"])
 def test_object_store_checkpoints_load_bitwise_equal_one_ranged_get_per_file(saved, s3_server, range_log, fmt, scheme):
-    """Every item of a file is needed and they lie end to end: one GET per file reads them all."""
+    """Every item of a file is needed and they lie end to end: one GET per file reads its tensors,
+    and one its objects (read first, so that one weights_only refuses stops the load before any
+    tensor is written; a save puts them after the tensors)."""
     url = upload(s3_server, saved[fmt], scheme)
     log = range_log()
     target = fresh_target(source_state(fmt))
     load(target, url)
     assert_bitwise_equal(target, source_state(fmt))
-    spans = {}  # object -> (first byte, end) of its items
-    for info in read_metadata(saved[fmt]).storage_data.values():
-        first, end = spans.get(f"{url}/{info.relative_path}", (info.offset, info.offset + info.length))
-        spans[f"{url}/{info.relative_path}"] = (min(first, info.offset), max(end, info.offset + info.length))
-    assert sorted(log.reads) == sorted((path, first, end - first) for path, (first, end) in spans.items())
+    spans = {}  # (object, holds objects) -> (first byte, end) of those items
+    for index, info in read_metadata(saved[fmt]).storage_data.items():
+        key = (f"{url}/{info.relative_path}", index.offset is None)  # objects have no chunk offset
+        first, end = spans.get(key, (info.offset, info.offset + info.length))
+        spans[key] = (min(first, info.offset), max(end, info.offset + info.length))
+    assert sorted(log.reads) == sorted((path, first, end - first) for (path, _), (first, end) in spans.items())
 
 
 @pytest.mark.parametrize("fmt", ["torch_save", "safetensors"])
@@ -304,8 +322,9 @@ def test_object_store_load_reads_only_the_needed_items_in_parallel(saved, s3_ser
 
 
 class Shrinking(RangeLog):
-    """The real backend; just before the first GET of data, another writer replaces that object
-    with its first half (after the load checked every object's size)."""
+    """The real backend; just before the first GET of tensor data (at offset 0: a save writes a
+    file's tensors first, its objects after them, and the load reads objects first), another
+    writer replaces that object with its first half (after the load checked every object's size)."""
 
     def __init__(self, s3) -> None:
         super().__init__()
@@ -315,7 +334,7 @@ class Shrinking(RangeLog):
 
     def read_bytes(self, path: str, offset: int = 0, length=None) -> bytes:
         with self._lock:
-            if is_data_file(path.rsplit("/", 1)[-1]) and self.shrunk is None:
+            if is_data_file(path.rsplit("/", 1)[-1]) and offset == 0 and self.shrunk is None:
                 self.shrunk = path
                 key = path.split(f"{BUCKET}/", 1)[1]
                 client = self.s3.server.s3_client()

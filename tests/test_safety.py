@@ -4,13 +4,15 @@ and checkpoints written by asyncckpt and by stock dcp.save still load through th
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from asyncckpt import AsyncCheckpointer, CheckpointConfig, CheckpointError, load, verify_checkpoint
+from asyncckpt import AsyncCheckpointer, CheckpointConfig, CheckpointError, PartialLoadError, load, verify_checkpoint
 from asyncckpt.cli import main as cli_main
 from asyncckpt.loading import read_metadata
 from asyncckpt.storage import LocalStorage
@@ -218,6 +220,40 @@ def test_object_needing_full_unpickling_loads_only_when_trusted(tmp_path, writer
         load(target, path)
     load(target, path, trusted=True)
     assert target["obj"] == Custom(41) and torch.equal(target["w"], state["w"])
+
+
+def refused_warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "refuses by default" in r.getMessage()]
+
+
+def test_objects_weights_only_refuses_are_named_once_at_save_and_refused_before_any_tensor_at_load(tmp_path, caplog):
+    """NumPy arrays, NumPy RNG state and dataclasses save fine but weights_only loading refuses
+    them: the save warns once (again only for a new such entry), the load refuses before writing
+    anything, naming them, and trusted=True loads them."""
+    root = str(tmp_path / "root")
+    state = {"w": torch.arange(64.0), "arr": np.arange(3), "rng": np.random.RandomState(0).get_state(),
+             "cfg": Custom(1), "epoch": 3}
+    with AsyncCheckpointer(root) as ckpt, caplog.at_level(logging.WARNING, logger="asyncckpt"):
+        ckpt.schedule_save(state, step=1)
+        ckpt.schedule_save(state, step=2)
+        [first] = refused_warnings(caplog)
+        for name in ("'arr'", "'rng'", "'cfg' (test_safety.Custom)", "numpy", "trusted=True"):
+            assert name in first, first
+        assert "'w'" not in first and "'epoch'" not in first, first
+        ckpt.schedule_save({**state, "later": Custom(2)}, step=3)
+        assert len(refused_warnings(caplog)) == 2 and "'later'" in refused_warnings(caplog)[1]
+        assert "'arr'" not in refused_warnings(caplog)[1]
+
+    target = {"w": torch.full((64,), -1.0), "arr": None, "rng": None, "cfg": None, "epoch": 0}
+    with pytest.raises(CheckpointError) as raised:
+        load(target, step_path(root, 2))
+    message = str(raised.value)
+    assert not isinstance(raised.value, PartialLoadError), message
+    for name in ("'arr'", "'rng'", "'cfg' (test_safety.Custom)", "trusted=True", "nothing in state_dict was changed"):
+        assert name in message, message
+    assert torch.equal(target["w"], torch.full((64,), -1.0)) and target["epoch"] == 0 and target["cfg"] is None
+    load(target, step_path(root, 2), trusted=True)
+    assert torch.equal(target["w"], state["w"]) and np.array_equal(target["arr"], state["arr"]) and target["cfg"] == Custom(1)
 
 
 def test_trusted_metadata_with_extra_classes_loads(tmp_path):

@@ -1,0 +1,79 @@
+"""`load_latest`: resume from the newest committed checkpoint that loads, past damaged ones.
+
+A job whose newest checkpoint is damaged would otherwise fail at every restart. A checkpoint
+that fails to load is checked (`loading.damage_of`, on the coordinator, its verdict shared): a
+damaged one is skipped with a WARNING and the next older committed one is tried. One that reads
+back intact is not skipped, its error is raised: an older checkpoint would not fix a state that
+does not match, or an object that needs `trusted=True`.
+
+A load that failed half-way (PartialLoadError) changed the state; the next one that succeeds
+overwrites every entry of it, so the state is then wholly that checkpoint's. If none loads, the
+error says whether the state was changed.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from .errors import CheckpointError, PartialLoadError
+from .loading import NOT_CHANGED, PARTLY_LOADED, CheckpointInfo, damage_of, load, resume_order
+from .ranks import RankGroup
+
+log = logging.getLogger("asyncckpt")
+
+
+@dataclass(frozen=True)
+class SkippedCheckpoint:
+    """A committed checkpoint `load_latest` did not resume from because it is damaged."""
+
+    step: int
+    path: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class ResumeReport:
+    """What `load_latest` resumed from, and the newer checkpoints it skipped as damaged (newest first)."""
+
+    step: int
+    path: str
+    skipped: tuple[SkippedCheckpoint, ...] = ()
+
+
+def resume(
+    state_dict: dict[str, Any], root: str, group: RankGroup, *, trusted: bool, strict: bool, checksums: bool
+) -> Optional[ResumeReport]:
+    """Load the newest committed checkpoint of `root` that loads into `state_dict` (None: there
+    is none). `strict`: only the one `latest` names, its failure raised as it is."""
+    candidates = resume_order(root)
+    skipped: list[SkippedCheckpoint] = []
+    touched = False
+    for n, info in enumerate(candidates):
+        try:
+            load(state_dict, info.path, trusted=trusted, process_group=group.pg, checksums=checksums)
+        except CheckpointError as exc:
+            touched = touched or isinstance(exc, PartialLoadError)
+            last = strict or n == len(candidates) - 1
+            reason = None if last else group.broadcast(damage_of(info.path, trusted) if group.is_coordinator else None)
+            if reason is None:
+                if not skipped:
+                    raise
+                raise _none_loaded(root, skipped, info, exc, touched) from exc
+            log.warning("%s is damaged, trying the next older committed checkpoint: %s", info.path, reason)
+            skipped.append(SkippedCheckpoint(info.step, info.path, reason))
+            continue
+        return ResumeReport(info.step, info.path, tuple(skipped))
+    return None
+
+
+def _none_loaded(
+    root: str, skipped: list[SkippedCheckpoint], info: CheckpointInfo, exc: CheckpointError, touched: bool
+) -> CheckpointError:
+    cause = str(exc).removesuffix(f"; {NOT_CHANGED}").removesuffix(f"; {PARTLY_LOADED}")
+    damaged = "; ".join(f"{s.path} is damaged: {s.reason}" for s in skipped)
+    message = f"no checkpoint of {root!r} could be loaded: {damaged}; then {info.path}: {cause}"
+    if touched:
+        return PartialLoadError(f"{message}; {PARTLY_LOADED}")
+    return CheckpointError(f"{message}; {NOT_CHANGED}")
