@@ -269,17 +269,22 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    """The model of a checkpoint as a Hugging Face `save_pretrained` folder (export.py)."""
-    from .export import export_hf, model_tensors, DTYPES
-
+    """The model of a checkpoint as a Hugging Face `save_pretrained` folder (export.py). Bad
+    arguments (export's ValueError: a prefix without tensors, no model found, a non-empty OUT_DIR)
+    exit 2; a checkpoint that cannot be read or exported, 6."""
     if not args.hf:
         raise CliError("name the output format: --hf (a Hugging Face save_pretrained folder)", EXIT_USAGE)
+    from .export import DTYPES, export_hf, model_tensors
+
     _, path = _checkpoint(args.checkpoint)
     try:
-        total = sum(t.nbytes for t in model_tensors(path, args.prefix, DTYPES.get(args.dtype), args.trusted))
+        tensors = model_tensors(path, args.prefix, DTYPES.get(args.dtype), args.trusted)
+        if args.prefix is None:
+            print(f"{path}: exporting the {len(tensors)} tensors under {tensors[0].prefix!r}", file=sys.stderr)
+        total = sum(t.nbytes for t in tensors)
         progress = _Progress(total, enabled=not args.quiet)
         files = export_hf(path, args.out_dir, max_shard_size=args.max_shard_size, dtype=args.dtype,
-                          config_from=args.config_from, prefix=args.prefix, trusted=args.trusted,
+                          config_from=args.config_from, prefix=tensors[0].prefix, trusted=args.trusted,
                           progress=progress.advance)
     except (CheckpointError, ValueError, OSError) as exc:
         raise CliError(str(exc), EXIT_USAGE if isinstance(exc, ValueError) else EXIT_UNREADABLE) from None
@@ -330,8 +335,10 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--max-shard-size", default="5GB", help="largest shard, as Hugging Face writes sizes "
                         "(5GB = 5*10^9 bytes, 100KB, 2GiB); one shard means model.safetensors and no index (default 5GB)")
     export.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), help="cast floating-point tensors to this dtype")
-    export.add_argument("--config-from", metavar="DIR", help="copy config.json and tokenizer files from this folder")
-    export.add_argument("--prefix", help="the model's key prefix in the checkpoint (default: 'model.')")
+    export.add_argument("--config-from", metavar="DIR", help="copy config.json and tokenizer files from this folder "
+                        "(default: the checkpoint's own folder when it holds config.json, as a Trainer checkpoint-N does)")
+    export.add_argument("--prefix", help="the model's key prefix in the checkpoint (default: where asyncckpt's own "
+                        "layouts keep it, model., train.model. or state_dict.; otherwise the candidates are listed)")
     export.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     export.set_defaults(func=cmd_export)
     for command in (inspect, verify, export):
