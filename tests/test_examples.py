@@ -77,6 +77,7 @@ def test_example_resumes_from_the_last_committed_save_with_its_optimizer_state(r
     assert committed_steps(resumed.stdout) == [30, 40, 44]
     assert "summary: steps 30..44" in resumed.stdout
     assert "WARNING" not in resumed.stderr, resumed.stderr  # e.g. tensors copied on every save
+    assert f"list them with `python -m asyncckpt ls {root}`" in resumed.stdout  # where they are, how to look
 
     again = run("--root", root, *RESUME)  # nothing left to train: resumes, checks, stops
     assert again.returncode == 0, again.stdout + again.stderr
