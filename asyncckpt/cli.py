@@ -17,11 +17,10 @@ from pathlib import Path
 from typing import Optional
 
 from .errors import CheckpointError
-from .formats import CHECKSUMS_FILE, is_data_file
-from .loading import LATEST_FILE, METADATA_FILE, latest_checkpoint, list_checkpoints, parse_step, read_latest_marker, read_metadata
-from .safety import TRUST_HINT
 from .storage import Storage, storage_for
-from .verify import check_items, find_sidecar, read_sidecar, sidecar_belongs_to
+
+# The modules that read checkpoints import torch (1-2 s): each command imports them when it runs,
+# so --help and argument errors answer at once (help texts spell .metadata and .checksums.json).
 
 EXIT_DAMAGED, EXIT_USAGE, EXIT_MISSING, EXIT_NOT_CHECKPOINT, EXIT_TORN, EXIT_UNREADABLE = 1, 2, 3, 4, 5, 6
 EXIT_INTERNAL = 70  # an unexpected exception (a bug): traceback on stderr
@@ -57,6 +56,9 @@ def _open_dir(path: str) -> tuple[Storage, str]:
 
 def _kind(storage: Storage, path: str) -> str:
     """"checkpoint" (committed), "torn" (a step directory without .metadata), "root" or "other"."""
+    from .formats import is_data_file
+    from .loading import LATEST_FILE, METADATA_FILE, list_checkpoints, parse_step
+
     if storage.exists(storage.join(path, METADATA_FILE)):
         return "checkpoint"
     names = storage.list_dir(path)
@@ -69,6 +71,8 @@ def _kind(storage: Storage, path: str) -> str:
 
 def _checkpoint(path: str) -> tuple[Storage, str]:
     """A committed checkpoint directory; a root stands for the checkpoint `latest` names."""
+    from .loading import METADATA_FILE, latest_checkpoint
+
     storage, path = _open_dir(path)
     kind = _kind(storage, path)
     if kind == "torn":
@@ -87,6 +91,9 @@ def _checkpoint(path: str) -> tuple[Storage, str]:
 def _metadata(path: str, trusted: bool = False):
     """The checkpoint's DCP metadata, read through the library's safe path (restricted unpickling
     unless `trusted`); a refused or unreadable `.metadata` is a CliError."""
+    from .loading import METADATA_FILE, read_metadata
+    from .safety import TRUST_HINT
+
     try:
         metadata = read_metadata(path, trusted=trusted)
     except Exception as exc:
@@ -155,6 +162,8 @@ class _Progress:
 
 # commands --------------------------------------------------------------------------------------
 def cmd_ls(args: argparse.Namespace) -> int:
+    from .loading import LATEST_FILE, METADATA_FILE, list_checkpoints, read_latest_marker
+
     storage, root = _open_dir(args.root)
     kind = _kind(storage, root)
     if kind in ("checkpoint", "torn"):
@@ -183,6 +192,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
 def _ls_state(storage: Storage, info) -> tuple[str, Optional[str]]:
     """"committed", "torn", or "refused"/"unreadable" with why: a committed checkpoint's
     `.metadata` is read the safe way (a crafted one is refused, never run)."""
+    from .loading import METADATA_FILE
+
     if not info.committed:
         return "torn", None
     try:
@@ -196,6 +207,8 @@ def _ls_state(storage: Storage, info) -> tuple[str, Optional[str]]:
 
 def _ls_row(storage: Storage, info, state: str, latest: Optional[str]) -> list:
     """One table row (and, last, the size in bytes); a save in flight may change files meanwhile."""
+    from .loading import METADATA_FILE
+
     size, count, age = 0, 0, None
     try:
         for name in storage.list_dir(info.path):
@@ -240,6 +253,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     """The library's verifier (verify.check_items), with a progress bar and one line per damaged item."""
+    from .formats import CHECKSUMS_FILE
+    from .verify import check_items, find_sidecar, read_sidecar, sidecar_belongs_to
+
     storage, path = _checkpoint(args.path)
     metadata = _metadata(path, args.trusted)
     file = find_sidecar(storage, path, metadata)
@@ -269,17 +285,22 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    """The model of a checkpoint as a Hugging Face `save_pretrained` folder (export.py)."""
-    from .export import export_hf, model_tensors, DTYPES
-
+    """The model of a checkpoint as a Hugging Face `save_pretrained` folder (export.py). Bad
+    arguments (export's ValueError: a prefix without tensors, no model found, a non-empty OUT_DIR)
+    exit 2; a checkpoint that cannot be read or exported, 6."""
     if not args.hf:
         raise CliError("name the output format: --hf (a Hugging Face save_pretrained folder)", EXIT_USAGE)
+    from .export import DTYPES, export_hf, model_tensors
+
     _, path = _checkpoint(args.checkpoint)
     try:
-        total = sum(t.nbytes for t in model_tensors(path, args.prefix, DTYPES.get(args.dtype), args.trusted))
+        tensors = model_tensors(path, args.prefix, DTYPES.get(args.dtype), args.trusted)
+        if args.prefix is None:
+            print(f"{path}: exporting the {len(tensors)} tensors under {tensors[0].prefix!r}", file=sys.stderr)
+        total = sum(t.nbytes for t in tensors)
         progress = _Progress(total, enabled=not args.quiet)
         files = export_hf(path, args.out_dir, max_shard_size=args.max_shard_size, dtype=args.dtype,
-                          config_from=args.config_from, prefix=args.prefix, trusted=args.trusted,
+                          config_from=args.config_from, prefix=tensors[0].prefix, trusted=args.trusted,
                           progress=progress.advance)
     except (CheckpointError, ValueError, OSError) as exc:
         raise CliError(str(exc), EXIT_USAGE if isinstance(exc, ValueError) else EXIT_UNREADABLE) from None
@@ -314,12 +335,12 @@ def build_parser() -> argparse.ArgumentParser:
     where = "checkpoint directory, or a root (uses the checkpoint `latest` names)"
     _command(sub, cmd_ls, "ROOT", "checkpoint root (holds step_NNNNNNNN/ and latest)", "list the checkpoints of a root",
              "Table of the step directories in ROOT: step, state, size, files, age, which one `latest` names. "
-             f"State: committed, torn (no {METADATA_FILE}), or refused/unreadable ({METADATA_FILE} read safely "
+             "State: committed, torn (no .metadata), or refused/unreadable (.metadata read safely "
              "names a class or a file it may not, or is damaged; exit 6).")
     inspect = _command(sub, cmd_inspect, "PATH", where, "list every tensor and object in a checkpoint",
                        "Every tensor and object of a committed checkpoint: dtype, shape, size, stored bytes, file.")
     verify = _command(sub, cmd_verify, "PATH", where, "re-read every item and check its checksum",
-                      f"Re-read every item of a committed checkpoint and check its checksum (CRC32C) from {CHECKSUMS_FILE}; exit 1 on damage.")
+                      "Re-read every item of a committed checkpoint and check its checksum (CRC32C) from .checksums.json; exit 1 on damage.")
     verify.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     export = sub.add_parser("export", help="write a checkpoint's model as a Hugging Face save_pretrained folder",
                             description="Write the model part of a checkpoint (asyncckpt's or any stock DCP one) as "
@@ -330,12 +351,14 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--max-shard-size", default="5GB", help="largest shard, as Hugging Face writes sizes "
                         "(5GB = 5*10^9 bytes, 100KB, 2GiB); one shard means model.safetensors and no index (default 5GB)")
     export.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), help="cast floating-point tensors to this dtype")
-    export.add_argument("--config-from", metavar="DIR", help="copy config.json and tokenizer files from this folder")
-    export.add_argument("--prefix", help="the model's key prefix in the checkpoint (default: 'model.')")
+    export.add_argument("--config-from", metavar="DIR", help="copy config.json and tokenizer files from this folder "
+                        "(default: the checkpoint's own folder when it holds config.json, as a Trainer checkpoint-N does)")
+    export.add_argument("--prefix", help="the model's key prefix in the checkpoint (default: where asyncckpt's own "
+                        "layouts keep it, model., train.model. or state_dict.; otherwise the candidates are listed)")
     export.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     export.set_defaults(func=cmd_export)
     for command in (inspect, verify, export):
-        command.add_argument("--trusted", action="store_true", help=f"unpickle {METADATA_FILE} fully instead of refusing "
+        command.add_argument("--trusted", action="store_true", help="unpickle .metadata fully instead of refusing "
                              "classes outside DCP's: it can run code, so only for checkpoints whose author you trust")
     sub.add_parser("bench", add_help=False, help="run benchmarks/bench_save.py (bench load: bench_load.py), "
                    "every argument passed through (see bench --help, bench load --help)")

@@ -81,18 +81,26 @@ class AsyncCheckpointIO(CheckpointIO):
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Optional[Any] = None) -> None:
         """Snapshot `checkpoint` as of now into the DCP directory `path`; returns once staged (or
         copied, while the worker is busy or starting). Saving to a path again replaces its
-        checkpoint at commit, never before."""
+        checkpoint at commit, never before. The folder holding `path` exists when this returns,
+        as with Lightning's own IO (`save_last="link"` makes its link there next)."""
         if storage_options is not None:
             raise TypeError("AsyncCheckpointIO.save_checkpoint takes no storage_options (configure it with a CheckpointConfig)")
         if not isinstance(checkpoint, dict):
             raise TypeError(f"checkpoint must be a dict, not {type(checkpoint).__name__}")
-        self._saves.save(flatten_exact(checkpoint), _target(path))
+        target = _target(path)
+        self._saves.save(flatten_exact(checkpoint), target)
+        if not is_remote(target):  # a held save has written nothing yet; save_last="link" links in here next
+            os.makedirs(os.path.dirname(target), exist_ok=True)
 
     def load_checkpoint(self, path, map_location: Optional[Any] = None, weights_only: Optional[bool] = None) -> dict:
         """The dict saved to `path`, read without a template and safely: `.metadata` through the
         restricted unpickler, objects with weights_only unless trusted. Tensors load on the CPU,
-        or on the device `map_location` names. Waits for a save of `path` still in flight."""
-        target = _target(path)
+        or on the device `map_location` names. Waits for a save of `path` still in flight. A
+        symlink (`save_last="link"` makes last.ckpt one) loads the checkpoint it names, once that
+        save is committed."""
+        named = _target(path)
+        target = _linked(named)
+        via = "" if target == named else f" (named by the link {named!r})"
         with self._saves.lock:
             self._saves.finish_saves_of(target)
             self._saves.raise_failures()
@@ -103,10 +111,10 @@ class AsyncCheckpointIO(CheckpointIO):
                 "load it without AsyncCheckpointIO"
             )
         if not storage.is_dir(target):
-            raise FileNotFoundError(f"Checkpoint not found: {target}")
+            raise FileNotFoundError(f"Checkpoint not found: {target}{via}")
         trusted = self.trusted if weights_only is None else not weights_only
         if not storage.exists(storage.join(target, METADATA_FILE)):
-            raise CheckpointError(f"{target!r} is not a committed checkpoint (no {METADATA_FILE})")
+            raise CheckpointError(f"{target!r}{via} is not a committed checkpoint (no {METADATA_FILE})")
         metadata = read_metadata(target, trusted=trusted)
         flat = {
             key: torch.empty(meta.size, dtype=meta.properties.dtype) if isinstance(meta, TensorStorageMetadata) else meta
@@ -118,11 +126,15 @@ class AsyncCheckpointIO(CheckpointIO):
     def remove_checkpoint(self, path) -> None:
         """Remove the checkpoint directory `path` (after its save, if one is held or in flight, so
         it can never reappear). Returns once it is un-committed (its `.metadata` gone); its files
-        are deleted in the background, before any later use of `path` and by `teardown`.
-        Anything but a checkpoint directory is refused."""
+        are deleted in the background, before any later use of `path` and by `teardown`. A
+        symlink (`save_last="link"`'s last.ckpt, when its name changes) is removed itself, never
+        what it names. Anything else but a checkpoint directory is refused."""
         target = _target(path)
         with self._saves.lock:
             self._saves.check_open()
+            if storage_for(target).is_symlink(target):
+                storage_for(target).remove_file(target)
+                return
             self._saves.finish_saves_of(target)
             self._saves.raise_failures()
             if _uncommit_checkpoint_dir(target):
@@ -136,13 +148,13 @@ class AsyncCheckpointIO(CheckpointIO):
 
     # beyond CheckpointIO -----------------------------------------------------------------------
     def wait(self, path=None) -> None:
-        """Block until the save of `path` (or every save) is committed, and a removal of it (or
-        every removal) has ended; raise if one failed."""
+        """Block until the save of `path` (or every save; a symlink: of what it names) is
+        committed, and a removal of it (or every removal) has ended; raise if one failed."""
         if path is None:
             self._saves.settle()
             return
         with self._saves.lock:
-            self._saves.finish_saves_of(_target(path))
+            self._saves.finish_saves_of(_linked(_target(path)))
             self._saves.raise_failures()
 
     def close(self) -> None:
@@ -174,6 +186,21 @@ def _target(path) -> str:
     if not target:
         raise ValueError("path must not be empty")
     return target if is_remote(target) else os.path.abspath(target)
+
+
+MAX_LINKS = 8  # a longer chain of symlinks is refused (as a cycle would be)
+
+
+def _linked(target: str) -> str:
+    """The checkpoint directory a local symlink names (Lightning writes last.ckpt as a link
+    relative to its folder), spelled as its save was: the link's folder joined with the link's
+    text, not realpath (a symlinked parent would spell it otherwise and a load through it would
+    not wait for that save). Other paths are returned as they are."""
+    for _ in range(MAX_LINKS):
+        if is_remote(target) or not os.path.islink(target):
+            return target
+        target = os.path.abspath(os.path.join(os.path.dirname(target), os.readlink(target)))
+    raise CheckpointError(f"{target!r}: more than {MAX_LINKS} symbolic links in a row")
 
 
 def _uncommit_checkpoint_dir(target: str) -> bool:

@@ -16,6 +16,7 @@ import argparse
 import hashlib
 import json
 import logging
+import shlex
 import shutil
 import time
 
@@ -119,6 +120,9 @@ def main() -> None:
         )
     else:
         print(f"summary: nothing to do (already at step {args.steps})")
+    root = shlex.quote(args.root)
+    print(f"checkpoints in {args.root}: list them with `python -m asyncckpt ls {root}`, "
+          f"see the latest one's tensors with `python -m asyncckpt inspect {root}`")
 
 
 # Self-check ------------------------------------------------------------------------------------

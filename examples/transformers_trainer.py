@@ -89,7 +89,7 @@ def main() -> None:
     last = os.path.join(out_dir, kept[-1])  # every save is committed once train() returns
     exported = os.path.join(args.dir, f"hf_model-{kept[-1].split('-')[1]}")
     shutil.rmtree(exported, ignore_errors=True)
-    export_hf(last, exported, config_from=last)  # config.json sits in the checkpoint folder
+    export_hf(last, exported)  # with the config.json the checkpoint folder holds
     reloaded = transformers.GPT2LMHeadModel.from_pretrained(exported).eval()
     tokens = Tokens()[0]["input_ids"][None]
     with torch.no_grad():

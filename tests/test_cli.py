@@ -239,6 +239,29 @@ def test_help_texts(capsys):
     assert exited.value.code == cli.EXIT_USAGE
 
 
+HELP_AND_USAGE_ERRORS = """
+import json, sys
+from asyncckpt import cli
+codes = []
+for argv in (["--help"], ["export", "--help"], ["frobnicate"], ["export", "CKPT", "OUT"]):
+    try:
+        codes.append(cli.main(argv))
+    except SystemExit as exc:
+        codes.append(exc.code)
+print(json.dumps({"codes": codes, "torch imported": "torch" in sys.modules}))
+"""
+
+
+def test_help_and_usage_errors_answer_without_importing_torch():
+    """--help (the tool's and a command's) and argument errors are answered before torch is
+    imported: 0.05 s of CPU instead of 2 s."""
+    done = subprocess.run([sys.executable, "-c", HELP_AND_USAGE_ERRORS], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.splitlines()[-1]) == {"codes": [0, 0, cli.EXIT_USAGE, cli.EXIT_USAGE], "torch imported": False}
+    assert "--hf" in done.stderr  # export without --hf: the usage error names it
+
+
 def test_bench_passes_every_argument_through_and_returns_its_exit_code(tmp_path, monkeypatch):
     script = tmp_path / "bench_save.py"
     script.write_text(

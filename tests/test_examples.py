@@ -6,11 +6,15 @@ from __future__ import annotations
 
 import os
 import re
+import runpy
 import shutil
 import subprocess
 import sys
 
 import pytest
+from safetensors.torch import load_file
+
+from asyncckpt import cli
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(REPO, "examples", "train_loop.py")
@@ -73,6 +77,7 @@ def test_example_resumes_from_the_last_committed_save_with_its_optimizer_state(r
     assert committed_steps(resumed.stdout) == [30, 40, 44]
     assert "summary: steps 30..44" in resumed.stdout
     assert "WARNING" not in resumed.stderr, resumed.stderr  # e.g. tensors copied on every save
+    assert f"list them with `python -m asyncckpt ls {root}`" in resumed.stdout  # where they are, how to look
 
     again = run("--root", root, *RESUME)  # nothing left to train: resumes, checks, stops
     assert again.returncode == 0, again.stdout + again.stderr
@@ -95,3 +100,14 @@ def test_example_fails_its_resume_check_when_the_optimizer_state_is_not_restored
     assert "18 of 24 saved tensors differ" in failure, failure
     assert "exp_avg" in failure and "model." not in failure, failure
     assert committed_steps(resumed.stdout) == []  # it stopped before training on
+
+
+def test_the_example_checkpoint_exports_its_model_without_naming_a_prefix(fresh_root, tmp_path, capsys) -> None:
+    """`python -m asyncckpt export ROOT OUT --hf` on the example's checkpoints finds the model
+    under TrainState's "train.model." and names its tensors as model.state_dict() does."""
+    out = str(tmp_path / "hf")
+    assert cli.main(["export", fresh_root, out, "--hf", "-q"]) == 0
+    assert "exporting the 6 tensors under 'train.model.'" in capsys.readouterr().err
+    model = runpy.run_path(EXAMPLE)["make_model"]()  # defines the example's functions, runs nothing
+    exported = load_file(os.path.join(out, "model.safetensors"))
+    assert {name: t.shape for name, t in exported.items()} == {name: t.shape for name, t in model.state_dict().items()}

@@ -13,8 +13,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 
-from asyncckpt import AsyncCheckpointer
+from asyncckpt import AsyncCheckpointer, cli
 from asyncckpt.export import export_hf, parse_size
+from asyncckpt.nested import flatten_exact
 from conftest import MemorySampler, step_path
 
 transformers = pytest.importorskip("transformers")  # the test extra installs it
@@ -106,6 +107,89 @@ def test_export_streams_one_shard_at_a_time_and_refuses_bad_input(tmp_path):
     done = export_cli(str(tmp_path / "big"), str(tmp_path / "other"))
     assert done.returncode == 2 and "--hf" in done.stderr, done.stderr
     assert sorted(os.listdir(tmp_path)) == ["big", "hf"]  # no "other", no temporary folder left
+
+
+def small_model_and_optimizer():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 4)).sum().backward()
+    optimizer.step()
+    return model, optimizer
+
+
+def export_in_process(capsys, *args: str) -> subprocess.CompletedProcess:
+    """`python -m asyncckpt export ...` through cli.main in this process (no fresh interpreter)."""
+    code = cli.main(["export", *args, "-q"])
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(args, code, out, err)
+
+
+def test_export_finds_the_model_where_the_lightning_plugin_and_the_trainer_keep_it(tmp_path, capsys):
+    """Without --prefix: the Lightning plugin's checkpoint dict (flattened, under "state_dict.")
+    and the Transformers door's checkpoint-N ("model.", with its config.json beside, which is
+    copied without --config-from) export the model's state_dict under its own names."""
+    model, optimizer = small_model_and_optimizer()
+    lightning = {"state_dict": model.state_dict(), "optimizer_states": [optimizer.state_dict()], "global_step": 3}
+    dcp.save(flatten_exact(lightning), checkpoint_id=str(tmp_path / "epoch=0-step=3.ckpt"), no_dist=True)
+    trainer_dir = tmp_path / "out" / "checkpoint-3"
+    dcp.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "trainer_state": "{}"},
+             checkpoint_id=str(trainer_dir), no_dist=True)
+    (trainer_dir / "config.json").write_text('{"model_type": "tiny"}')  # as AsyncCheckpointTrainer writes it
+
+    for checkpoint, prefix, copied in ((tmp_path / "epoch=0-step=3.ckpt", "state_dict.", []),
+                                       (trainer_dir, "model.", ["config.json"])):
+        out = tmp_path / f"hf-{prefix}"
+        done = export_in_process(capsys, str(checkpoint), str(out), "--hf")
+        assert done.returncode == 0, done.stderr
+        assert f"exporting the 4 tensors under {prefix!r}" in done.stderr
+        assert sorted(os.listdir(out)) == sorted(["model.safetensors", *copied])
+        exported = load_file(out / "model.safetensors")
+        assert set(exported) == set(model.state_dict())
+        assert all(torch.equal(exported[name], tensor) for name, tensor in model.state_dict().items())
+    assert (tmp_path / "hf-model." / "config.json").read_text() == '{"model_type": "tiny"}'
+
+
+def test_export_usage_errors_exit_2_and_name_where_the_tensors_are(tmp_path, capsys):
+    """A layout asyncckpt does not write lists where its tensors are; two models, a --prefix with
+    no tensors, a non-empty OUT_DIR, one under a file and a --config-from without config.json are
+    usage errors (exit 2, not 6: the metadata was read fine); nothing is written."""
+    model, optimizer = small_model_and_optimizer()
+    dcp.save({"net": model.state_dict(), "opt": optimizer.state_dict()}, checkpoint_id=str(tmp_path / "own"), no_dist=True)
+    dcp.save({"model": model.state_dict(), "state_dict": model.state_dict()}, checkpoint_id=str(tmp_path / "two"),
+             no_dist=True)
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "notes.txt").write_text("keep")
+    out = str(tmp_path / "hf")
+
+    done = export_in_process(capsys, str(tmp_path / "own"), out, "--hf")
+    assert done.returncode == cli.EXIT_USAGE, done.stderr
+    assert "--prefix" in done.stderr and "net. (4 tensors)" in done.stderr and "opt.state. (12 tensors)" in done.stderr
+    done = export_in_process(capsys, str(tmp_path / "two"), out, "--hf")
+    assert done.returncode == cli.EXIT_USAGE and "model. (4 tensors), state_dict. (4 tensors)" in done.stderr, done.stderr
+    for args, message in (((str(tmp_path / "own"), out, "--prefix", "model."), "no tensors under 'model.'"),
+                          ((str(tmp_path / "own"), str(tmp_path / "full"), "--prefix", "net."), "not an empty directory"),
+                          ((str(tmp_path / "own"), out, "--prefix", "net.", "--config-from", str(tmp_path)), "no config.json"),
+                          ((str(tmp_path / "own"), str(tmp_path / "full" / "notes.txt" / "hf"), "--prefix", "net."),
+                           "cannot create the folder")):
+        done = export_in_process(capsys, *args, "--hf")
+        assert done.returncode == cli.EXIT_USAGE and message in done.stderr, done.stderr
+    assert sorted(os.listdir(tmp_path)) == ["full", "own", "two"] and os.listdir(tmp_path / "full") == ["notes.txt"]
+
+
+def test_the_exported_folder_gets_the_users_umask(tmp_path):
+    """As save_pretrained's folder would: not the 0700 of a temporary directory."""
+    model, _ = small_model_and_optimizer()
+    dcp.save({"model": model.state_dict()}, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
+    for umask, folder_mode, file_mode in ((0o022, 0o755, 0o644), (0o027, 0o750, 0o640)):
+        previous = os.umask(umask)
+        try:
+            out = tmp_path / f"hf-{umask:o}"
+            export_hf(str(tmp_path / "ckpt"), str(out))
+        finally:
+            os.umask(previous)
+        assert os.stat(out).st_mode & 0o777 == folder_mode
+        assert os.stat(out / "model.safetensors").st_mode & 0o777 == file_mode
 
 
 def test_hugging_face_sizes():

@@ -54,11 +54,11 @@ def _loader() -> DataLoader:
     return DataLoader(TensorDataset(x, x[:, :2].cos()), batch_size=8, shuffle=False)
 
 
-def _fit(dirpath: str, steps: int, plugin=None, ckpt_path=None):
+def _fit(dirpath: str, steps: int, plugin=None, ckpt_path=None, save_last=True, callbacks=()):
     torch.manual_seed(0)
-    checkpoint = ModelCheckpoint(dirpath=dirpath, monitor="train_loss", save_top_k=2, every_n_train_steps=2, save_last=True)
+    checkpoint = ModelCheckpoint(dirpath=dirpath, monitor="train_loss", save_top_k=2, every_n_train_steps=2, save_last=save_last)
     trainer = L.Trainer(
-        accelerator="cpu", devices=1, max_steps=steps, plugins=[plugin] if plugin else [], callbacks=[checkpoint],
+        accelerator="cpu", devices=1, max_steps=steps, plugins=[plugin] if plugin else [], callbacks=[checkpoint, *callbacks],
         logger=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
     )
     model = Tiny()
@@ -314,6 +314,62 @@ def test_the_first_saves_do_not_wait_for_the_workers_to_start(tmp_path):
         assert torch.equal(loaded["state_dict"]["w"], torch.arange(4096.0)) and loaded["epoch"] == 0
         plugin.teardown()
         assert sorted(os.listdir(tmp_path)) == ["last.ckpt"]
+    finally:
+        plugin.close()
+
+
+class LoadThroughLastAfterFirstEvent(L.Callback):
+    """At the step after the first checkpoint event: what last.ckpt is, then the workers resumed
+    and the checkpoint loaded through it."""
+
+    def __init__(self, plugin, workers, last: str) -> None:
+        self.plugin, self.workers, self.last = plugin, workers, last
+        self.seen, self.loaded = None, None
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
+        if trainer.global_step != 2:
+            return
+        target = os.path.join(os.path.dirname(self.last), os.readlink(self.last))
+        self.seen = (os.path.basename(target), _is_committed_dir(target))
+        for worker in self.workers:
+            worker.resume()
+        self.loaded = self.plugin.load_checkpoint(self.last)
+
+
+def test_save_last_link_names_the_newest_checkpoint_and_loads_it_once_committed(tmp_path):
+    """ModelCheckpoint(save_last="link") in a real fit whose first save comes while the worker is
+    still starting (stopped here): the save returns with the folder made, so Lightning links
+    last.ckpt to a checkpoint not written yet; a load through the link waits for that save and
+    gets it committed. After the fit last.ckpt links the newest checkpoint, a fit resumed with
+    ckpt_path="last" restores it, and removing the link leaves the checkpoint it names."""
+    dirpath = str(tmp_path / "run")
+    last = os.path.join(dirpath, "last.ckpt")
+    plugin = AsyncCheckpointIO()  # spawns its worker now
+    workers = _workers(plugin)
+    for worker in workers:
+        worker.suspend()
+    try:
+        if plugin._saves.saver.worker_ready:
+            pytest.skip("the worker finished starting before it could be stopped")
+        probe = LoadThroughLastAfterFirstEvent(plugin, workers, last)
+        model, trainer, _ = _fit(dirpath, 6, plugin, save_last="link", callbacks=[probe])
+    finally:
+        for worker in workers:
+            worker.resume()
+    try:
+        assert probe.seen == ("epoch=0-step=2.ckpt", False)  # linked while its save was held
+        assert probe.loaded["global_step"] == 2
+        assert os.readlink(last) == "epoch=1-step=6.ckpt" and _is_committed_dir(os.path.join(dirpath, "epoch=1-step=6.ckpt"))
+        saved = plugin.load_checkpoint(last)
+        assert saved["global_step"] == 6
+        assert_exactly_equal(saved["state_dict"], model.state_dict())
+
+        resumed, trainer, _ = _fit(dirpath, 6, plugin, ckpt_path="last", save_last="link")  # restores, trains no step
+        assert trainer.ckpt_path == last and trainer.global_step == 6
+        assert_exactly_equal(resumed.state_dict(), model.state_dict())
+
+        plugin.remove_checkpoint(last)
+        assert not os.path.lexists(last) and _is_committed_dir(os.path.join(dirpath, "epoch=1-step=6.ckpt"))
     finally:
         plugin.close()
 

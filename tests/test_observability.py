@@ -1,13 +1,16 @@
 """Per-save figures leave the library three ways: a JSON-lines file named in the config, an
 `on_commit` callback, and one INFO line on the "asyncckpt" logger, each once per committed save
-(a commit inside schedule_save or close included) and never for a save that failed."""
+(a commit inside schedule_save or close included) and never for a save that failed. The worker
+says in ps what it is and whose."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import os
 
+import psutil
 import pytest
 import torch
 
@@ -95,3 +98,17 @@ def test_one_info_line_per_committed_save(ckpt_root, caplog):
         for word in ("MB", "blocked", "staging", "write", "commit", "GB/s", f"worker {pid}"):
             assert word in message, f"{word!r} missing from {message!r}"
     assert [", cache hit" in r.getMessage() for r in lines] == [False, True, True]
+
+
+def test_the_worker_says_in_ps_what_it_is_and_whose(tmp_path):
+    """Named "asyncckpt-w<rank>" (what ps -e, top and pgrep show; 15 bytes at most), not
+    "python"; with setproctitle installed, its command line is "asyncckpt worker rank <rank>"
+    instead of multiprocessing's spawn line."""
+    with AsyncCheckpointer(str(tmp_path / "ckpt")) as ckpt:
+        ckpt.schedule_save(state(), step=1)  # staged: the worker is past its start-up
+        worker = psutil.Process(ckpt.worker_pid)
+        assert worker.name() == "asyncckpt-w0"
+        with open(f"/proc/{worker.pid}/comm") as f:
+            assert f.read() == "asyncckpt-w0\n"
+        if importlib.util.find_spec("setproctitle") is not None:
+            assert " ".join(worker.cmdline()).startswith("asyncckpt worker rank 0")

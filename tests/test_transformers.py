@@ -287,7 +287,7 @@ def test_the_example_trains_resumes_and_exports(tmp_path):
         assert done.returncode == 0, done.stderr[-3000:]
     assert "checkpoint-12 (step 12): weights equal the checkpoint" in done.stdout
     assert "trained to step 22; committed checkpoints kept: checkpoint-20, checkpoint-22" in done.stdout  # Trainer saves at the end too
-    assert os.path.isfile(tmp_path / "hf_model-22" / "model.safetensors")
+    assert sorted(os.listdir(tmp_path / "hf_model-22")) == ["config.json", "model.safetensors"]  # config.json: the checkpoint's
 
 
 def test_a_configuration_it_cannot_honour_fails_at_construction(tmp_path):

@@ -122,7 +122,7 @@ def split_result(data: bytes) -> tuple:
 def _serve(sock: socket.socket, target: Target, parent: int) -> None:
     """The server's loop: fork a child per job, report each exit through its pipe."""
     gc.disable()  # touch as few inherited pages as possible; nothing here makes cycles worth it
-    _name(SERVER_NAME)
+    name_process(SERVER_NAME)
     _die_with_parent(parent)
     keep = sock.fileno()
     os.closerange(3, keep)  # nothing of the worker's (the trainer's pipe, files) stays open here
@@ -162,7 +162,7 @@ def _serve(sock: socket.socket, target: Target, parent: int) -> None:
                 signal.signal(signal.SIGCHLD, signal.SIG_DFL)
                 for fd in [sock.detach(), wake_r, wake_w, *pending.values()]:
                     os.close(fd)  # a sibling's pipe must not stay open in this child
-                _name(WRITER_NAME)
+                name_process(WRITER_NAME)
                 _die_with_parent(me)
                 code = target(payload, fds)
             finally:
@@ -237,7 +237,7 @@ def _prctl(option: int, value) -> None:
     _libc.prctl(option, value, 0, 0, 0)
 
 
-def _name(name: bytes) -> None:
+def name_process(name: bytes) -> None:
     """The process name ps and psutil show (PR_SET_NAME, at most 15 bytes)."""
     try:
         _prctl(15, ctypes.c_char_p(name))

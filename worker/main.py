@@ -25,7 +25,7 @@ from asyncckpt.protocol import Prepared, Ready, SaveFailed, SaveRequest, Shutdow
 from .buckets import staging_need
 from .cache import CacheMiss, StructureCache
 from .forked import child_main
-from .forkserver import ForkServer
+from .forkserver import ForkServer, name_process
 from .rounds import run_save
 from .staging import StagingPool
 from .writers import WriteError, Writers
@@ -124,6 +124,7 @@ def run(conn, settings: WorkerSettings) -> None:
         level=settings.log_level, format=f"%(asctime)s asyncckpt-worker[{settings.rank}] %(levelname)s %(message)s"
     )
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle; it closes us
+    _say_what_this_process_is(settings.rank)
     _lower_io_priority(settings)
     _raise_open_file_limit()
     forks = _start_fork_server()  # first, while this process still has one thread
@@ -151,6 +152,19 @@ def run(conn, settings: WorkerSettings) -> None:
 def _asyncckpt_modules() -> list[str]:
     """The library's modules in this process: the worker side only (see asyncckpt/__init__.py)."""
     return sorted(name for name in sys.modules if name.partition(".")[0] == "asyncckpt")
+
+
+def _say_what_this_process_is(rank: int) -> None:
+    """In ps and top: the name "asyncckpt-w<rank>" (15 bytes at most) and, where setproctitle is
+    installed (not a dependency), the command line "asyncckpt worker rank <rank>", instead of
+    multiprocessing's spawn line. The fork server and writers started next inherit the latter."""
+    try:
+        import setproctitle
+    except ImportError:
+        pass
+    else:
+        setproctitle.setproctitle(f"asyncckpt worker rank {rank}")
+    name_process(f"asyncckpt-w{rank}".encode())
 
 
 def _start_parent_watchdog(parent_pid: int, loop: ServeLoop) -> None:
