@@ -85,18 +85,22 @@ class PeakSampler:
 
 
 class ComputeLoop:
-    """A fixed CPU-bound "training step" (small matmuls) whose time shows interference.
+    """A fixed "training step" (matmuls) whose time shows interference: on the CPU by default,
+    or on a GPU (`device="cuda"`, e.g. bf16), where each step ends with a synchronize, as a
+    step that reads its loss does.
 
     It runs with `threads` torch threads (default 1): with 2 threads on a 2-core box, any other
     runnable thread turns every parallel matmul into a barrier stall, and the ratio measures the
     scheduler more than the save."""
 
-    def __init__(self, dim: int = 256, target_step_s: float = 0.025, threads: int = 1) -> None:
+    def __init__(self, dim: int = 256, target_step_s: float = 0.025, threads: int = 1,
+                 device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> None:
         self.dim = dim
         self.threads = threads
-        self.a = torch.randn(dim, dim)
-        self.b = torch.randn(dim, dim)
-        self.c = torch.empty(dim, dim)
+        self.device = torch.device(device)
+        self.a = torch.randn(dim, dim, device=self.device).to(dtype)
+        self.b = torch.randn(dim, dim, device=self.device).to(dtype)
+        self.c = torch.empty(dim, dim, device=self.device, dtype=dtype)
         self.iters = 1
         with self.own_threads():
             self.calibrate(target_step_s)
@@ -116,18 +120,26 @@ class ComputeLoop:
         Uses the fastest of several batches: other tenants of the box only ever add time."""
         for _ in range(20):
             torch.mm(self.a, self.b, out=self.c)
+        self.synchronize()
         batches = []
         for _ in range(15):
             start = time.perf_counter()
             for _ in range(10):
                 torch.mm(self.a, self.b, out=self.c)
+            self.synchronize()
             batches.append((time.perf_counter() - start) / 10)
         self.iters = max(1, round(target_step_s / min(batches)))
+
+    def synchronize(self) -> None:
+        """Wait for the device's queued matmuls (a no-op on the CPU)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def step(self) -> float:
         start = time.perf_counter()
         for _ in range(self.iters):
             torch.mm(self.a, self.b, out=self.c)
+        self.synchronize()
         return time.perf_counter() - start
 
     def run(self, steps: int) -> list[float]:
