@@ -16,7 +16,9 @@ comparable even on a noisy shared disk (docs/benchmark.md):
   asyncckpt s3         asyncckpt to s3://BUCKET/PREFIX on a local S3 server (moto_server on loopback,
                        started for the row and stopped after it; skipped, with the reason, without one)
 
-Per method: a first save (reported apart) and --saves steady-state saves. Figures: caller-blocked
+Per method: a first save right after the constructor, a fresh instance's first save after
+--train-s of training (asyncckpt calls prepare(state) before that training), and --saves
+steady-state saves. Figures: caller-blocked
 seconds, seconds to durable, throughput as a fraction of the raw-write ceiling measured in the same
 run (pooled, plus a probe written just before the method), peak extra PSS (trainer + descendants)
 over the state size, and the slowdown of a CPU compute loop while a save is in flight. A progress
@@ -66,6 +68,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads otherwise (default: torch's)")
     p.add_argument("--no-raw-probe", action="store_true", help="skip the raw write before each method")
     p.add_argument("--sample-ms", type=float, default=20.0, help="PSS sampling interval, ms")
+    p.add_argument("--train-s", type=float, default=5.0,
+                   help="training (the compute loop) before a fresh method's first save, s; 0 skips that column")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     if args.quick:
@@ -85,7 +89,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore", module=r"torch\.distributed.*")
     os.makedirs(args.dir, exist_ok=True)
-    progress = Progress(len(args.methods) * (1 + args.saves + args.interference_saves))
+    progress = Progress(len(args.methods) * (1 + (args.train_s > 0) + args.saves + args.interference_saves))
     progress.update(label="building the state", force=True)
     progress.log(f"building a {args.size_mb} MiB state")
     state = build_state(args.size_mb * MiB, args.seed)
@@ -94,7 +98,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                  f"{info.tensor_bytes / MiB:.0f} MiB, {info.smallest} B .. {info.largest / MiB:.1f} MiB, + {info.objects} objects")
     loop = ComputeLoop(target_step_s=args.step_ms / 1000, threads=args.step_threads)
     settings = RunSettings(args.saves, args.interference_saves, args.idle_steps, not args.no_raw_probe,
-                           args.sample_ms / 1000)
+                           args.sample_ms / 1000, args.train_s)
     runner = Runner(state, args.dir, settings, loop, progress)
     machine = machine_info(args.dir)
     results = []
@@ -112,7 +116,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"Raw-write ceiling (median of {len(runner.raw_gbps_samples)} writes this run): {fmt(raw, '.2f')} GB/s; "
           f"compute step {loop.iters} x {loop.dim}^3 matmul on {loop.threads} thread(s); "
           f"load average at start {machine['loadavg'][0]:.1f}, end {os.getloadavg()[0]:.1f}")
-    print("x raw: throughput / pooled raw ceiling; x probe: / raw write just before the method; "
+    print(f"1st ctor: the first save right after the constructor; 1st train: a fresh one's first save after "
+          f"{args.train_s:.0f}s of training (asyncckpt: prepare(state) first, its time under prep);\n"
+          "x raw: throughput / pooled raw ceiling; x probe: / raw write just before the method; "
           "mem +x: peak PSS (trainer + children) - baseline, over state;\n"
           "slowdown: median compute-step time while the save is in flight / idle (* = blocking method run in a helper "
           "thread);\nload: 1-minute load average when the method started (2 cores; others share the box)\n")

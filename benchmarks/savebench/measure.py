@@ -145,6 +145,13 @@ class ComputeLoop:
     def run(self, steps: int) -> list[float]:
         return [self.step() for _ in range(steps)]
 
+    def run_for(self, seconds: float) -> list[float]:
+        """Steps until `seconds` have passed (a training loop before its first save)."""
+        end, steps = time.perf_counter() + seconds, []
+        while time.perf_counter() < end:
+            steps.append(self.step())
+        return steps
+
 
 def tensor_bytes_view(tensor: torch.Tensor) -> memoryview:
     """Zero-copy bytes of a contiguous CPU tensor. Not via `.numpy()`: that marks the storage

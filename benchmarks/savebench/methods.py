@@ -35,6 +35,10 @@ class Method:
     def setup(self) -> None:
         os.makedirs(self.workdir, exist_ok=True)
 
+    def warm_up(self) -> None:
+        """The one-time work a user can have done before the training loop, after `setup`
+        (asyncckpt: `prepare(state)`); none for the others."""
+
     def begin(self, step: int) -> None:
         raise NotImplementedError
 

@@ -38,6 +38,9 @@ class AsyncCkpt(Method):
         """The checkpointer's root (a directory here; an object-store URL in AsyncCkptS3)."""
         return self.workdir
 
+    def warm_up(self) -> None:
+        self.ckpt.prepare(self.state)
+
     def begin(self, step: int) -> None:
         self.ckpt.schedule_save(self.state, step)
 

@@ -61,7 +61,9 @@ class MethodResult:
     note: str = ""
     setup_s: float = 0.0
     teardown_s: float = 0.0
-    first: Optional[SaveSample] = None
+    first: Optional[SaveSample] = None  # right after the constructor
+    first_trained: Optional[SaveSample] = None  # a fresh one's first, after `train_s` of training
+    warm_up_s: Optional[float] = None  # before that training: the method's one-time work (asyncckpt: prepare)
     steady: list[SaveSample] = field(default_factory=list)
     output_bytes: int = 0
     baseline_pss: int = 0  # trainer + descendants just before setup
@@ -113,6 +115,8 @@ class MethodResult:
         return {
             "blocked_s": self.blocked,
             "first_blocked_s": self.first.blocked_s if self.first else None,
+            "first_trained_blocked_s": self.first_trained.blocked_s if self.first_trained else None,
+            "warm_up_s": self.warm_up_s,
             "durable_s": self.durable,
             "first_durable_s": self.first.durable_s if self.first else None,
             "wait_staged_s": self.wait_staged,
@@ -136,6 +140,7 @@ class RunSettings:
     idle_steps: int
     raw_probe: bool
     sample_interval_s: float
+    train_s: float = 5.0  # training before a fresh checkpointer's first save (0: not measured)
 
 
 class Runner:
@@ -154,8 +159,8 @@ class Runner:
 
     @property
     def saves_per_method(self) -> int:
-        """First save + steady saves + interference saves: what the progress line counts."""
-        return 1 + self.settings.saves + self.settings.interference_saves
+        """First saves + steady saves + interference saves: what the progress line counts."""
+        return 1 + (self.settings.train_s > 0) + self.settings.saves + self.settings.interference_saves
 
     def log(self, message: str) -> None:
         self.progress.log(message)
@@ -207,6 +212,8 @@ class Runner:
             result.memory = result.memory if result.memory.samples else memory
             self.progress.update(label=f"{name} teardown")
             self._teardown(method, result)
+        if result.status == "ok" and self.settings.train_s > 0:
+            self._first_after_training(name, result)
             # a skipped or failed method still counts its saves, so the total stays right
             self.progress.update(label=f"{name} {result.status}", done=done_before + self.saves_per_method)
         if name == "raw_write":
@@ -239,6 +246,34 @@ class Runner:
             self.log(f"{method.name}: {label}")
             self.progress.update(label=f"{method.name} {label}")
             result.interference.append(self._interference(method))
+            self.progress.saved()
+
+    def _first_after_training(self, name: str, result: MethodResult) -> None:
+        """A fresh instance of the method: set up, its one-time work (asyncckpt: prepare), then
+        `train_s` of the compute loop (a training loop before its first checkpoint), then its
+        first save."""
+        method = make_method(name, self.state, self.root, self.state_bytes)
+        self.progress.update(label=f"{name} first save after {self.settings.train_s:.0f}s of training")
+        try:
+            method.prepare()
+            method.setup()
+            start = time.perf_counter()
+            method.warm_up()
+            result.warm_up_s = time.perf_counter() - start
+            with self.loop.own_threads():
+                self.loop.run_for(self.settings.train_s)
+            result.first_trained = self._timed_save(method, self.next_step())
+            self.log(f"{name}: first save after {self.settings.train_s:.0f}s of training blocked "
+                     f"{result.first_trained.blocked_s:.3f}s (warm-up {result.warm_up_s:.3f}s)")
+            remove_output(method, result.first_trained.step)
+        except Exception as exc:
+            result.add_note(f"first after training: {short_error(exc)}")
+        finally:
+            try:
+                method.teardown()
+            except Exception as exc:
+                result.add_note(f"teardown: {short_error(exc)}")
+            remove(method.workdir)
             self.progress.saved()
 
     def _timed_save(self, method: Method, step: int) -> SaveSample:
