@@ -25,7 +25,7 @@ from .incremental import Continuation
 from .planning import Planning
 from .ranks import RankGroup, finalize_bound_s
 from .inflight import InFlightSave
-from .job_lock import FolderLocks
+from .job_lock import FolderLocks, parent_folder
 from .rank_worker import RankWorker
 from .report import SaveReport, publish
 from .retention import Janitor, discard_uncommitted
@@ -73,7 +73,7 @@ class AsyncCheckpointer:
         self._warned_copies = False
         self._janitor = Janitor()  # retention, after each commit's verdict
         self._incremental = Continuation(config.incremental, self.rank)
-        self._folders = FolderLocks()  # the root, held by the coordinator
+        self._folders = FolderLocks()  # the root and the folders of explicit directories, held by the coordinator
         if self.root is not None:
             self._take_root()
         at_exit.track(self)
@@ -131,8 +131,10 @@ class AsyncCheckpointer:
         label = f"step {step}" if name is not None else f"checkpoint {step_dir!r}"
         local, problem, overwrite, created, in_our_folder = None, None, False, False, False
         try:
-            if self._group.is_coordinator:  # before anything is written: the root may be another job's now
+            if self._group.is_coordinator:  # before anything is written: the folder may be another job's
                 self._folders.check()
+                if name is None:
+                    self._folders.take(parent_folder(step_dir), self.config.fsync, f"the folder of checkpoint {step_dir!r}")
             in_our_folder = True
             if storage.is_symlink(step_dir):
                 raise CheckpointError(f"{step_dir!r} is a symlink; refusing to write a checkpoint through it")
@@ -239,6 +241,14 @@ class AsyncCheckpointer:
         waiting for it: the next save would otherwise start it, and wait for it."""
         self._check_open()
         self._worker.ensure_alive()
+
+    def take_folder_of(self, checkpoint_dir: str) -> None:
+        """Take the folder holding `checkpoint_dir` for this job now, as a save into it would (a
+        caller that holds a save to schedule it later, on another thread, learns at once that the
+        folder is another job's): CheckpointError naming the holder. One process saving alone."""
+        self._check_open()
+        self._folders.take(parent_folder(os.fspath(checkpoint_dir)), self.config.fsync,
+                           f"the folder of checkpoint {os.fspath(checkpoint_dir)!r}")
 
     def wait_tidy(self) -> bool:  # files that commits made obsolete are gone (waits at most timeout_s)
         return self._janitor.wait(self.config.timeout_s)

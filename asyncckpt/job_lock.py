@@ -1,6 +1,7 @@
 """One job per checkpoint folder: two jobs saving into one root would overwrite each other's
 checkpoints, each reporting its saves as committed. So a checkpointer takes its root for its job
-when it is constructed, and a second job gets a CheckpointError naming the holder.
+when it is constructed (and, for a save into a directory it names, the folder holding that
+directory, at the first such save), and a second job gets a CheckpointError naming the holder.
 
 - Local and shared filesystems: `FOLDER/.asyncckpt.lock`, held with `flock` until release (the
   kernel releases it when the process dies, so a crashed job never blocks its restart). The file
@@ -139,6 +140,15 @@ class FolderLocks:
         held, self._held = self._held, {}
         for lock in held.values():
             lock.release()
+
+
+def parent_folder(checkpoint_dir: str) -> str:
+    """The folder holding a checkpoint directory: what a save into it takes for its job."""
+    if is_remote(checkpoint_dir):
+        scheme, rest = checkpoint_dir.split("://", 1)
+        rest = rest.rstrip("/")
+        return f"{scheme}://{rest.rsplit('/', 1)[0]}" if "/" in rest else checkpoint_dir
+    return os.path.dirname(os.path.abspath(checkpoint_dir))
 
 
 def _clock(seconds: float) -> str:

@@ -96,6 +96,27 @@ def test_the_lock_is_no_checkpoint_and_close_frees_the_root(tmp_path, own_job):
     assert sorted(os.listdir(root)) == ["latest", "step_00000002"]
 
 
+def test_a_save_into_another_jobs_folder_is_refused_and_removes_nothing(tmp_path, own_job):
+    """A directory named by the caller: its folder is taken at the first save there. The other
+    job's save in flight (data files, no .metadata yet) is left alone."""
+    folder = tmp_path / "run"
+    in_flight = folder / "step-1"
+    in_flight.mkdir(parents=True)
+    (in_flight / "__0_0.distcp").write_bytes(b"the other job's bytes")
+    other_job = FolderLocks("other-job")
+    other_job.take(str(folder))
+    try:
+        with AsyncCheckpointer() as ckpt:
+            with pytest.raises(CheckpointError, match=r"step-1'? is in use by another job: job other-job \(host "):
+                ckpt.schedule_save({"w": torch.ones(4)}, checkpoint_dir=str(in_flight))
+            assert sorted(os.listdir(folder)) == [LOCK_FILE, "step-1"]
+            assert os.listdir(in_flight) == ["__0_0.distcp"]
+            ckpt.schedule_save({"w": torch.ones(4)}, checkpoint_dir=str(tmp_path / "mine" / "step-1"))  # another folder
+            ckpt.finalize(blocking=True)
+    finally:
+        other_job.release()
+
+
 def _every_rank_is_refused(rank: int, world_size: int, root: str) -> None:
     os.environ["ASYNCCKPT_JOB_ID"] = "the-ranks"
     with pytest.raises(CheckpointError, match=f"rank {rank}: checkpoint root .* in use by another job: job the-test "):
