@@ -25,6 +25,7 @@ from .incremental import Continuation
 from .planning import Planning
 from .ranks import RankGroup, finalize_bound_s
 from .inflight import InFlightSave
+from .job_lock import FolderLocks, parent_folder
 from .rank_worker import RankWorker
 from .report import SaveReport, publish
 from .resume import ResumeReport, resume
@@ -53,8 +54,10 @@ class AsyncCheckpointer:
         no_dist: bool = False,
     ) -> None:
         """`root` holds `step_N` checkpoints, `latest` and keep_last retention; without one, every
-        save names its directory. `no_dist=True`: this process saves alone even inside a
-        distributed job (no collectives, no process group)."""
+        save names its directory. The root is created if needed and taken for this job (every
+        rank of it): CheckpointError if it cannot be written or another job holds it.
+        `no_dist=True`: this process saves alone even inside a distributed job (no collectives,
+        no process group)."""
         if config is None:
             config = CheckpointConfig()
         if not isinstance(config, CheckpointConfig):
@@ -74,7 +77,14 @@ class AsyncCheckpointer:
         self.resume_report: Optional[ResumeReport] = None  # what load_latest resumed from, what it skipped
         self._janitor = Janitor()  # retention, after each commit's verdict
         self._incremental = Continuation(config.incremental, self.rank)
-        self._worker = RankWorker(config, self.rank)  # starts now, so the first save does not wait for it
+        self._folders = FolderLocks()  # the root and the folders of explicit directories, held by the coordinator
+        if self.root is not None:
+            self._take_root()
+        try:
+            self._worker = RankWorker(config, self.rank)  # starts now, so the first save does not wait for it
+        except BaseException:
+            self._folders.release()
+            raise
         at_exit.track(self)  # once whole: a constructor that failed leaves nothing to close at exit
 
     @property
@@ -122,8 +132,13 @@ class AsyncCheckpointer:
 
         storage = storage_for(step_dir)
         label = f"step {step}" if name is not None else f"checkpoint {step_dir!r}"
-        local, problem, overwrite, created = None, None, False, False
+        local, problem, overwrite, created, in_our_folder = None, None, False, False, False
         try:
+            if self._group.is_coordinator:  # before anything is written: the folder may be another job's
+                self._folders.check()
+                if name is None:
+                    self._folders.take(parent_folder(step_dir), self.config.fsync, f"the folder of checkpoint {step_dir!r}")
+            in_our_folder = True
             if storage.is_symlink(step_dir):
                 raise CheckpointError(f"{step_dir!r} is a symlink; refusing to write a checkpoint through it")
             self._janitor.claim(step_dir, self.config.timeout_s)  # retention stays out of it
@@ -141,7 +156,7 @@ class AsyncCheckpointer:
         )
         owns_dir = name is not None or created
         if failed:
-            self._raise_agreed_failure(problem, label, step_dir, owns_dir)
+            self._raise_agreed_failure(problem, label, step_dir, owns_dir, in_our_folder)
         file_tag = ""
         if overwrite_any:  # new files get other names; the old checkpoint stays committed until ours is
             file_tag = self._group.broadcast(new_file_tag())
@@ -279,6 +294,14 @@ class AsyncCheckpointer:
         self._check_open()
         self._worker.ensure_alive()
 
+    def take_folder_of(self, checkpoint_dir: str) -> None:
+        """Take the folder holding `checkpoint_dir` for this job now, as a save into it would (a
+        caller that holds a save to schedule it later, on another thread, learns at once that the
+        folder is another job's): CheckpointError naming the holder. One process saving alone."""
+        self._check_open()
+        self._folders.take(parent_folder(os.fspath(checkpoint_dir)), self.config.fsync,
+                           f"the folder of checkpoint {os.fspath(checkpoint_dir)!r}")
+
     def wait_tidy(self) -> bool:  # files that commits made obsolete are gone (waits at most timeout_s)
         return self._janitor.wait(self.config.timeout_s)
 
@@ -300,6 +323,7 @@ class AsyncCheckpointer:
             at_exit.forget(self)
             self._janitor.close(self.config.timeout_s)
             self._worker.stop()
+            self._folders.release()
 
     def __enter__(self) -> "AsyncCheckpointer":
         return self
@@ -359,17 +383,35 @@ class AsyncCheckpointer:
         meanwhile would only cost that save its reuse; waiting for the save keeps the reuse."""
         return self._in_flight.base_dirs if self._in_flight is not None else ()
 
-    def _raise_agreed_failure(self, problem: Optional[Exception], label: str, step_dir: str, owns_dir: bool) -> None:
+    def _raise_agreed_failure(
+        self, problem: Optional[Exception], label: str, step_dir: str, owns_dir: bool, in_our_folder: bool
+    ) -> None:
         """Some rank could not start the save: every rank raises, naming the ranks and causes.
-        The directory prepared for it goes too, unless it holds a committed checkpoint."""
+        The directory prepared for it goes too, unless it holds a committed checkpoint or the
+        folder is another job's (its save may be writing there)."""
         problems = self._group.all_gather(None if problem is None else str(problem))
         storage = storage_for(step_dir)
-        if self._group.is_coordinator and not storage.is_symlink(step_dir):
+        if self._group.is_coordinator and in_our_folder and not storage.is_symlink(step_dir):
             discard_uncommitted(storage, step_dir, owns_dir=owns_dir)
         causes = "; ".join(f"rank {r}: {p}" for r, p in enumerate(problems) if p is not None)
         if self._group.size == 1 and problem is not None:
             raise problem
         raise CheckpointError(f"{label} not started: {causes}")
+
+    def _take_root(self) -> None:
+        """The coordinator takes the root for the job; every rank raises what it could not do."""
+        problem = None
+        if self._group.is_coordinator:
+            try:
+                self._folders.take(self.root, self._config.fsync, f"checkpoint root {self.root!r}")
+            except CheckpointError as exc:
+                problem = str(exc)
+            except Exception as exc:  # every rank must reach the broadcast, whatever went wrong here
+                problem = f"checkpoint root {self.root!r}: {type(exc).__name__}: {exc}"
+        problem = self._group.broadcast(problem)
+        if problem is not None:
+            self._folders.release()
+            raise CheckpointError(problem if self._group.size == 1 else f"rank {self.rank}: {problem}")
 
     def _warn_about_copies(self, snapshot: Snapshot) -> None:
         """Once: tensors that cannot be shared in place cost a copy on every save."""

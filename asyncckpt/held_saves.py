@@ -75,6 +75,7 @@ class HeldSaves:
             self.removals.wait_for(target)  # a directory removed just before: its old files go first
             self.raise_failures()  # (a failed removal of it too: never saved into half-deleted)
             saver = self.ensure_saver()
+            saver.take_folder_of(target)  # another job's folder fails this call, not a held copy's save later
             while True:
                 self._advance(blocking=False)
                 if not self.held and saver.in_flight_dir is None and saver.worker_ready:

@@ -19,7 +19,7 @@ import time
 from typing import Any, Optional
 
 from .errors import CheckpointError
-from .storage import OpenUpload, Storage, WriteHandle, unique_suffix
+from .storage import OpenUpload, Storage, Versioned, WriteHandle, unique_suffix
 
 # msc sends a file at or below the profile's multipart threshold (64 MiB by default) as one PUT of
 # the whole file read into memory; such uploads share this budget, so together they never hold
@@ -248,6 +248,32 @@ class MscStorage(Storage):
                     pass
 
         self._call("delete", path, delete_all)
+
+    def read_versioned(self, path: str) -> Optional[Versioned]:
+        def read(client, key) -> Optional[Versioned]:
+            try:  # the ETag first: if the object changes before the read, a write at this ETag fails
+                info = client.info(key, strict=False)
+                return Versioned(client.read(key), info.etag or "") if info.type == "file" else None
+            except FileNotFoundError:
+                return None
+
+        return self._call("read", path, read)
+
+    def write_if_version(self, path: str, data: bytes, version: Optional[str]) -> bool:
+        """A conditional PUT (If-None-Match: * / If-Match: ETag) through msc's provider (its public
+        `write` has no conditions). A `type: file` profile ignores the conditions: there the
+        check and the write are two steps."""
+        from multistorageclient.types import PreconditionFailedError
+
+        def put(client, key) -> bool:
+            condition = {"if_none_match": "*"} if version is None else {"if_match": version}
+            try:
+                client._storage_provider.put_object(key, bytes(data), **condition)
+            except (PreconditionFailedError, FileNotFoundError):  # changed, or removed, meanwhile
+                return False
+            return True
+
+        return self._call("write", path, put)
 
     def open_uploads(self, path: str) -> list[OpenUpload]:
         def listed(client, key) -> list[OpenUpload]:

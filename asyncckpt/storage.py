@@ -54,6 +54,14 @@ class OpenUpload:
     initiated: Optional[float]  # when it started, seconds since the epoch (the store's clock); None: unknown
 
 
+@dataclass(frozen=True)
+class Versioned:
+    """A small object's bytes and the version they are (an object store's ETag)."""
+
+    data: bytes
+    version: str
+
+
 class Storage(ABC):
     """Operations the checkpointer and the worker need, each with one meaning on every backend."""
 
@@ -136,6 +144,16 @@ class Storage(ABC):
         OSError where it cannot (another filesystem or profile, `source` gone)."""
         raise OSError(errno.ENOTSUP, f"{type(self).__name__} has no hard links")
 
+    def read_versioned(self, path: str) -> Optional[Versioned]:
+        """A small object and its version (None when there is none), for `write_if_version`.
+        Object stores only: on a filesystem, folders are locked with flock instead (job_lock)."""
+        raise OSError(errno.ENOTSUP, f"{type(self).__name__} has no versioned objects")
+
+    def write_if_version(self, path: str, data: bytes, version: Optional[str]) -> bool:
+        """Publish a small object only if it is still at `version` (None: only if there is none),
+        in one step on the store's side; False when another writer changed it first."""
+        raise OSError(errno.ENOTSUP, f"{type(self).__name__} has no versioned objects")
+
     def open_uploads(self, path: str) -> list[OpenUpload]:
         """Unfinished multipart uploads of files anywhere under `path` (none on a filesystem)."""
         return []
@@ -196,21 +214,23 @@ class LocalStorage(Storage):
         return os.path.join(*parts)
 
     def prepare_dir(self, path: str, fsync: bool = True) -> None:
+        created = []
+        missing = os.path.abspath(path)
+        while not os.path.lexists(missing):
+            created.append(missing)
+            missing = os.path.dirname(missing)
+        doing = f"cannot create it in {missing!r}" if created else "cannot create a file in it"
         try:
-            created = []
-            missing = os.path.abspath(path)
-            while not os.path.lexists(missing):
-                created.append(missing)
-                missing = os.path.dirname(missing)
             os.makedirs(path, exist_ok=True)
             for new in reversed(created) if fsync else ():
                 self.sync_dir(os.path.dirname(new))
+            doing = "cannot create a file in it"
             probe = os.path.join(path, f".asyncckpt-probe-{unique_suffix()}")
             with open(probe, "xb"):
                 pass
             os.unlink(probe)
         except OSError as exc:
-            reason = os.strerror(exc.errno) if exc.errno else str(exc)
+            reason = f"{doing} ({os.strerror(exc.errno) if exc.errno else exc})"
             if isinstance(exc, (NotADirectoryError, FileExistsError)):
                 reason = "a path component is a file, not a directory"
             raise CheckpointError(f"checkpoint directory {path!r} is not writable: {reason}") from exc

@@ -124,8 +124,10 @@ def zeros_like(state: dict) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_trainer_killed_at_random_points_always_leaves_a_loadable_committed_latest(tmp_path):
+def test_trainer_killed_at_random_points_always_leaves_a_loadable_committed_latest(tmp_path, monkeypatch):
     root = str(tmp_path / "ckpt")
+    # one job restarting: the next trainer takes the root while the last one still holds it (and so does the reader)
+    monkeypatch.setenv("ASYNCCKPT_JOB_ID", "crash-loop")
     script = tmp_path / "zygote.py"
     script.write_text(ZYGOTE)
     rng = random.Random(20240605)

@@ -4,6 +4,7 @@ bad input, close and exit behaviour."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -179,13 +180,32 @@ def test_metadata_appears_only_at_commit_and_retention_keeps_newest(ckpt_root):
     assert storage.exists(storage.join(torn, "__0_0.distcp"))
 
 
-def test_unwritable_root_fails_before_handoff(tmp_path):
+@pytest.mark.parametrize("where", ["a file", "under a file", "/proc", "read-only"])
+def test_a_root_that_cannot_be_written_fails_at_construction_naming_it_and_why(tmp_path, where):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
-    with AsyncCheckpointer(str(blocker / "ckpt")) as ckpt:
+    read_only = tmp_path / "read-only"
+    read_only.mkdir(mode=0o555)
+    if where == "read-only" and os.geteuid() == 0:  # root writes through file modes; not into /sys
+        read_only = "/sys"
+    root, reason = {
+        "a file": (str(blocker), "a path component is a file, not a directory"),
+        "under a file": (str(blocker / "ckpt"), "a path component is a file, not a directory"),
+        "/proc": ("/proc/asyncckpt/ckpt", r"cannot create it in '/proc' \(No such file or directory\)"),
+        "read-only": (f"{read_only}/ckpt", rf"cannot create it in '{read_only}' \((Permission denied|Operation not permitted|Read-only file system)\)"),
+    }[where]
+    with pytest.raises(CheckpointError, match=f"checkpoint directory '{re.escape(root)}' is not writable: {reason}"):
+        AsyncCheckpointer(root)
+    assert blocker.read_text() == "not a directory"
+
+
+def test_unwritable_checkpoint_dir_fails_before_handoff(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with AsyncCheckpointer() as ckpt:
         pid = ckpt.worker_pid
         with pytest.raises(CheckpointError, match="not writable"):
-            ckpt.schedule_save({"w": torch.ones(4)}, step=1)
+            ckpt.schedule_save({"w": torch.ones(4)}, checkpoint_dir=str(blocker / "ckpt"))
         assert ckpt.worker_pid == pid and psutil.pid_exists(pid)
         assert ckpt.finalize() == []
 

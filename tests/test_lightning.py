@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save  # noqa:
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from asyncckpt import CheckpointConfig, CheckpointError, verify_checkpoint  # noqa: E402
+from asyncckpt.job_lock import LOCK_FILE, FolderLocks  # noqa: E402
 from asyncckpt.lightning import AsyncCheckpointIO  # noqa: E402
 from asyncckpt.nested import unflatten_exact  # noqa: E402
 
@@ -105,7 +106,7 @@ def test_fit_keeps_committed_dcp_dirs_and_resumes_exactly_as_default_io(tmp_path
         first = str(tmp_path / "a")
         _, _, callback = _fit(first, 6, plugin)
         kept = {os.path.basename(p) for p in callback.best_k_models} | {"last.ckpt"}
-        assert len(kept) == 3 and set(os.listdir(first)) == kept  # removed top-k ones are gone, nothing else
+        assert len(kept) == 3 and set(os.listdir(first)) == kept | {LOCK_FILE}  # removed top-k ones are gone; the plugin holds the folder
         assert all(_is_committed_dir(os.path.join(first, name)) for name in kept)
         assert all(verify_checkpoint(os.path.join(first, name)) == [] for name in kept)
         shutil.copytree(first, str(tmp_path / "b"))
@@ -313,7 +314,7 @@ def test_the_first_saves_do_not_wait_for_the_workers_to_start(tmp_path):
         loaded = plugin.load_checkpoint(str(tmp_path / "last.ckpt"))
         assert torch.equal(loaded["state_dict"]["w"], torch.arange(4096.0)) and loaded["epoch"] == 0
         plugin.teardown()
-        assert sorted(os.listdir(tmp_path)) == ["last.ckpt"]
+        assert sorted(os.listdir(tmp_path)) == [LOCK_FILE, "last.ckpt"]
     finally:
         plugin.close()
 
@@ -372,6 +373,22 @@ def test_save_last_link_names_the_newest_checkpoint_and_loads_it_once_committed(
         assert not os.path.lexists(last) and _is_committed_dir(os.path.join(dirpath, "epoch=1-step=6.ckpt"))
     finally:
         plugin.close()
+
+
+def test_a_folder_another_job_saves_into_is_refused_at_the_call(tmp_path):
+    """Two jobs' plugins saving into one dirpath: the second one's first save_checkpoint (held
+    while its worker starts) raises at once, naming the holder, and writes nothing."""
+    other_job = FolderLocks("other-job")
+    other_job.take(str(tmp_path))
+    plugin = AsyncCheckpointIO()
+    try:
+        with pytest.raises(CheckpointError, match=r"last.ckpt'? is in use by another job: job other-job \(host .*, pid "):
+            plugin.save_checkpoint({"state_dict": {"w": torch.ones(8)}}, str(tmp_path / "last.ckpt"))
+        plugin.teardown()  # nothing was held
+        assert os.listdir(tmp_path) == [LOCK_FILE]
+    finally:
+        plugin.close()
+        other_job.release()
 
 
 def test_a_worker_killed_with_a_save_held_fails_that_save_and_the_held_one_commits(tmp_path):
@@ -439,7 +456,7 @@ def test_remove_during_an_in_flight_save_waits_and_it_never_reappears(tmp_path):
             worker.resume()
         assert not os.path.exists(os.path.join(path, ".metadata"))  # un-committed on return
         plugin.teardown()  # nothing left in flight, nothing failed, the removal ended
-        assert sorted(os.listdir(tmp_path)) == ["warm.ckpt"]
+        assert sorted(os.listdir(tmp_path)) == [LOCK_FILE, "warm.ckpt"]
     finally:
         plugin.close()
 
@@ -474,7 +491,7 @@ def test_remove_returns_uncommitted_and_the_files_go_before_the_path_is_used_aga
         assert os.path.isdir(path)
         gate.set()
         plugin.teardown()
-        assert os.listdir(tmp_path) == []
+        assert os.listdir(tmp_path) == [LOCK_FILE]
 
         monkeypatch.setattr(LocalStorage, "remove_tree", lambda self, path: (_ for _ in ()).throw(PermissionError(13, "denied")))
         plugin.save_checkpoint(old, path)
@@ -510,7 +527,7 @@ def test_a_failed_replace_of_last_ckpt_keeps_the_old_one(tmp_path):
         assert verify_checkpoint(path) == []
         plugin.save_checkpoint(state, path)  # a successful replace
         assert_exactly_equal(plugin.load_checkpoint(path), _clone(state))
-        assert os.listdir(tmp_path) == ["last.ckpt"]
+        assert sorted(os.listdir(tmp_path)) == [LOCK_FILE, "last.ckpt"]
     finally:
         plugin.close()
 
@@ -551,7 +568,7 @@ def test_bad_input_is_refused_clearly(tmp_path):
         with pytest.raises(CheckpointError, match="todo.txt"):
             plugin.remove_checkpoint(str(foreign))
         plugin.remove_checkpoint(str(tmp_path / "missing.ckpt"))  # like Lightning's: nothing to remove
-        assert sorted(os.listdir(tmp_path)) == ["notes", "old.ckpt", "stock"]
+        assert sorted(os.listdir(tmp_path)) == [LOCK_FILE, "notes", "old.ckpt", "stock"]
         assert os.listdir(foreign) == ["todo.txt"]
 
         path = str(tmp_path / "custom.ckpt")

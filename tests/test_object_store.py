@@ -101,10 +101,12 @@ def test_unreachable_or_unknown_store_fails_before_handoff(s3, tmp_path, monkeyp
         with pytest.raises(CheckpointError, match=f"{root}.*not writable"):
             storage_for(root).prepare_dir(root)
         assert time.monotonic() - started < 30
-    with AsyncCheckpointer(f"msc://{dead}/run") as ckpt:
+    with pytest.raises(CheckpointError, match=f"msc://{dead}/run.*not writable"):
+        AsyncCheckpointer(f"msc://{dead}/run")  # a root: at construction
+    with AsyncCheckpointer() as ckpt:
         pid = ckpt.worker_pid
         with pytest.raises(CheckpointError, match="not writable"):
-            ckpt.schedule_save({"w": torch.ones(4)}, step=1)
+            ckpt.schedule_save({"w": torch.ones(4)}, checkpoint_dir=f"msc://{dead}/run/step-1")
         assert ckpt.worker_pid == pid and psutil.pid_exists(pid)
         assert ckpt.finalize() == []
 

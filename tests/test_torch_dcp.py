@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 import asyncckpt
 from asyncckpt import CheckpointConfig, CheckpointError, client, torch_dcp
+from asyncckpt.job_lock import LOCK_FILE, FolderLocks
 from multirank import run_ranks
 
 ROWS, COLS = 8, 12
@@ -88,7 +89,7 @@ def test_futures_complete_in_call_order_with_metadata_and_steady_state_sends_no_
     assert metadata[0].state_dict_metadata["w"].properties.requires_grad
     report = torch_dcp.last_report()
     assert report.tensors_sent == 0 and report.cache_hit and report.path == str(tmp_path / "step-3")
-    assert sorted(os.listdir(tmp_path)) == ["step-1", "step-2", "step-3"]
+    assert sorted(os.listdir(tmp_path)) == [LOCK_FILE, "step-1", "step-2", "step-3"]  # held while the door is open
     for step, (w, b) in enumerate(expected, start=1):
         got = _load(str(tmp_path / f"step-{step}"), {"w": w, "b": torch.zeros(64), "counter": {"value": torch.tensor(0)}})
         assert torch.equal(got["w"], w) and torch.equal(got["b"], torch.full((64,), b))
@@ -143,6 +144,23 @@ def test_the_first_call_returns_before_its_worker_is_even_spawned(tmp_path):
     target = {"w": torch.zeros(4096), "b": torch.zeros(8)}
     dcp.load(target, checkpoint_id=str(tmp_path / "first"), no_dist=True)
     assert torch.equal(target["w"], torch.arange(4096.0)) and torch.equal(target["b"], torch.ones(8))
+
+
+def test_a_folder_another_job_saves_into_fails_the_first_save_and_refuses_the_next(tmp_path):
+    """Two jobs' doors saving into one folder: the second job's first save (finished on the
+    door's thread) fails its future naming the holder, its next call raises, nothing is written."""
+    other_job = FolderLocks("other-job")
+    other_job.take(str(tmp_path))
+    try:
+        state = {"w": torch.ones(8)}
+        future = asyncckpt.async_save(state, checkpoint_id=str(tmp_path / "step-1"))
+        with pytest.raises(CheckpointError, match=r"step-1'? is in use by another job: job other-job \(host .*, pid "):
+            future.result(timeout=60)
+        with pytest.raises(CheckpointError, match="step-2'? is in use by another job: job other-job"):
+            asyncckpt.async_save(state, checkpoint_id=str(tmp_path / "step-2"))
+        assert os.listdir(tmp_path) == [LOCK_FILE]
+    finally:
+        other_job.release()
 
 
 def test_stagers_and_writers_give_the_types_torch_gives(tmp_path):
