@@ -3,8 +3,16 @@ realistic training states, step paths, free ports, crafted pickles, memory sampl
 
 from __future__ import annotations
 
-import importlib
 import os
+
+# One compute thread in every test process and in every process it starts (OMP_NUM_THREADS is
+# inherited; libgomp reads it when torch loads). torch's default is one thread per core in each
+# process: with -n test processes, each starting trainers, workers or ranks, that is many times
+# more OpenMP threads than cores, spin-waiting for each other. Measured on 2 cores (busy): a tiny
+# GPT-2 training loop took 510 s in each of 6 processes at 2 threads, 20 s at 1 thread.
+os.environ["OMP_NUM_THREADS"] = "1"
+
+import importlib  # noqa: E402
 import pickle
 import shutil
 import sys
@@ -20,6 +28,7 @@ from asyncckpt.testing.s3_server import BUCKET, MotoServer, S3Session, free_port
 from cuda_like import dtensor_as_on_cuda
 
 dtensor_as_on_cuda()  # raw ops on a DTensor fail here as they do on a GPU machine
+torch.set_num_threads(1)  # in case torch was loaded before this file set OMP_NUM_THREADS
 
 __all__ = ["free_port", "stress_size", "STRESS"]  # re-exported for the tests: one helper for every loopback port
 
