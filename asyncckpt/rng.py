@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import random
+from typing import Optional
 
 import numpy as np
 import torch
@@ -18,8 +19,11 @@ from .errors import CheckpointError
 log = logging.getLogger("asyncckpt")
 
 
-def rng_state() -> dict[str, torch.Tensor]:
-    """Python's, NumPy's, torch's CPU (and each CUDA device's) generator states."""
+def rng_state(cuda: Optional[bool] = None) -> dict[str, torch.Tensor]:
+    """Python's, NumPy's, torch's CPU and each CUDA device's generator states. CUDA's by default
+    only where this process has initialised CUDA: a CPU-only job on a machine with a GPU drew
+    nothing from them, and reading them would create a CUDA context (GPU memory and seconds).
+    `cuda=True` reads them anyway, e.g. as the template to load a checkpoint's CUDA states into."""
     version, keys, gauss = random.getstate()
     np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
     if np_name != "MT19937":
@@ -31,7 +35,7 @@ def rng_state() -> dict[str, torch.Tensor]:
         "numpy_gauss": torch.tensor([np_gauss], dtype=torch.float64),
         "cpu": torch.random.get_rng_state(),
     }
-    if torch.cuda.is_available():
+    if (torch.cuda.is_initialized() if cuda is None else cuda) and torch.cuda.is_available():
         state["cuda"] = torch.stack(torch.cuda.get_rng_state_all())
     return state
 

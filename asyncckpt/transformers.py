@@ -187,9 +187,7 @@ class AsyncCheckpointMixin:
         key = _rng_key(self.args)
         state: dict[str, Any] = {}
         if key in _saved_groups(checkpoint):
-            state[key] = rng_state()
-            if "cuda" not in _saved_keys(checkpoint, key):
-                state[key].pop("cuda", None)
+            state[key] = rng_state(cuda="cuda" in _saved_keys(checkpoint, key))
         else:  # e.g. resumed on more ranks than saved; this rank still joins the (collective) load
             log.info("%s holds no RNG state for %s: the resumed run's randomness will differ", checkpoint, key)
         load(state, checkpoint)

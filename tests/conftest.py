@@ -3,14 +3,25 @@ realistic training states, step paths, free ports, crafted pickles, memory sampl
 
 from __future__ import annotations
 
-import importlib
 import os
+
+# One compute thread in every test process and in every process it starts (OMP_NUM_THREADS is
+# inherited; libgomp reads it when torch loads). torch's default is one thread per core in each
+# process: with -n test processes, each starting trainers, workers or ranks, that is many times
+# more OpenMP threads than cores, spin-waiting for each other. Measured on 2 cores (busy): a tiny
+# GPT-2 training loop took 510 s in each of 6 processes at 2 threads, 20 s at 1 thread.
+os.environ["OMP_NUM_THREADS"] = "1"
+
+import importlib  # noqa: E402
 import pickle
 import shutil
+import signal
+import subprocess
 import sys
 import tempfile
 import threading
 import time
+from typing import Optional
 
 import psutil
 import pytest
@@ -20,6 +31,7 @@ from asyncckpt.testing.s3_server import BUCKET, MotoServer, S3Session, free_port
 from cuda_like import dtensor_as_on_cuda
 
 dtensor_as_on_cuda()  # raw ops on a DTensor fail here as they do on a GPU machine
+torch.set_num_threads(1)  # in case torch was loaded before this file set OMP_NUM_THREADS
 
 __all__ = ["free_port", "stress_size", "STRESS"]  # re-exported for the tests: one helper for every loopback port
 
@@ -293,3 +305,63 @@ def wait_gone(pid: int, timeout_s: float) -> float:
             return time.monotonic() - started
         time.sleep(0.02)
     raise AssertionError(f"process {pid} still running {timeout_s}s after it should have gone")
+
+
+def run_cpu_script(command: list[str], timeout_s: float, cwd: Optional[str] = None) -> subprocess.CompletedProcess:
+    """Run a CPU training script (an example, a launcher such as torchrun) to its end within
+    `timeout_s` and leave nothing it started behind.
+
+    It sees no GPU: what these tests check is CPU behaviour (the `cuda` tests cover the GPU), and
+    on a GPU machine Lightning, Transformers and DCP would probe or initialise CUDA in every
+    process (seconds, GPU memory, warnings on stderr). It runs in a session of its own with its
+    output in files, so a DDP rank or worker left running cannot hold a pipe open and stall the
+    test; whatever of the session is still alive at the end (or past the bound, or when the
+    test's own timeout interrupts) gets SIGTERM, which torchrun passes on to its ranks, then SIGKILL."""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    with tempfile.TemporaryFile("w+") as stdout, tempfile.TemporaryFile("w+") as stderr:
+        process = subprocess.Popen(command, cwd=cwd, env=env, stdout=stdout, stderr=stderr, text=True,
+                                   start_new_session=True)
+        try:
+            returncode = process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            returncode = None
+        finally:
+            _end_session(process)
+        stdout.seek(0)
+        stderr.seek(0)
+        out, err = stdout.read(), stderr.read()
+    if returncode is None:
+        raise AssertionError(f"{' '.join(command)} did not finish within {timeout_s:.0f}s:\n{out[-3000:]}\n{err[-3000:]}")
+    return subprocess.CompletedProcess(command, returncode, out, err)
+
+
+def _end_session(process: subprocess.Popen, grace_s: float = 30.0) -> None:
+    """Stop what is left of the session `process` leads: SIGTERM (torchrun passes it on to its
+    ranks), SIGKILL to what outlives `grace_s`. A zombie counts as gone."""
+    process.poll()  # reaps the leader if it ended
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        left = _session_members(process.pid)
+        for member in left:
+            try:
+                member.send_signal(sig)
+            except psutil.Error:
+                pass
+        deadline = time.monotonic() + grace_s
+        while left and time.monotonic() < deadline:
+            time.sleep(0.1)
+            left = _session_members(process.pid)
+        if not left:
+            break
+    process.wait(10)
+
+
+def _session_members(session_id: int) -> list[psutil.Process]:
+    """The live (not zombie) processes of a session."""
+    members = []
+    for candidate in psutil.process_iter():
+        try:
+            if os.getsid(candidate.pid) == session_id and candidate.status() != psutil.STATUS_ZOMBIE:
+                members.append(candidate)
+        except (OSError, psutil.Error):  # gone meanwhile
+            pass
+    return members

@@ -11,6 +11,7 @@ import sys
 import tempfile
 import time
 
+import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -42,10 +43,14 @@ def run_ranks(fn, world_size: int, *args, timeout_s: float = 240.0) -> None:
     The bound is a hang guard, not a speed check: generous, because each rank and its worker
     start an interpreter and import torch, which takes minutes for 4 ranks on a busy 2-core box."""
     rendezvous = tempfile.mkdtemp(prefix="asyncckpt-ranks-")
-    context = mp.start_processes(
-        _entry, args=(fn, world_size, os.path.join(rendezvous, "store"), args), nprocs=world_size, join=False,
-        start_method="spawn",
-    )
+    with pytest.MonkeyPatch.context() as env:
+        # CPU ranks see no GPU: on a GPU machine torchtitan and DCP would build pinned-memory
+        # stagers there, a CUDA context in every rank, and the tests would take other paths
+        env.setenv("CUDA_VISIBLE_DEVICES", "")
+        context = mp.start_processes(
+            _entry, args=(fn, world_size, os.path.join(rendezvous, "store"), args), nprocs=world_size, join=False,
+            start_method="spawn",
+        )
     deadline = time.monotonic() + timeout_s
     try:
         while not context.join(timeout=0.5):

@@ -208,7 +208,11 @@ def test_trainer_killed_at_random_points_always_leaves_a_loadable_committed_late
                 except ProcessLookupError:
                     pass
         zygote.stdin.close()
-        zygote.wait(30)
+        try:
+            zygote.wait(30)
+        except subprocess.TimeoutExpired:  # not left running past the test
+            zygote.kill()
+            zygote.wait(5)
     print(f"\n{ITERATIONS} kills in {time.monotonic() - started:.1f}s")
     print("iteration, io, go to first save staged s, kill delay s, latest step, writer children at kill, worker gone after s, torn dirs")
     for row in history:

@@ -51,6 +51,28 @@ def test_a_cpu_job_on_a_machine_with_a_gpu_never_touches_cuda(ckpt_root, monkeyp
     assert torch.equal(target["w"], state["w"]) and target["step"] == 3
 
 
+def test_rng_state_of_a_cpu_job_on_a_machine_with_a_gpu_leaves_cuda_alone(monkeypatch):
+    """The Transformers door saves every generator's state: CUDA's only once the job has
+    initialised CUDA (reading them creates a context), and CUDA's as a load template when the
+    checkpoint holds them."""
+    from asyncckpt.rng import rng_state
+
+    def touched(*args, **kwargs):
+        raise AssertionError("a CPU-only job touched CUDA")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    for name in ("init", "_lazy_init", "get_rng_state", "get_rng_state_all"):
+        monkeypatch.setattr(torch.cuda, name, touched)
+    assert set(rng_state()) == {"python", "python_gauss", "numpy", "numpy_gauss", "cpu"}
+
+    device_states = [torch.full((16,), 1, dtype=torch.uint8), torch.full((16,), 2, dtype=torch.uint8)]
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: device_states)
+    assert torch.equal(rng_state(cuda=True)["cuda"], torch.stack(device_states))
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)  # a job on the GPU
+    assert torch.equal(rng_state()["cuda"], torch.stack(device_states))
+
+
 # GPU ---------------------------------------------------------------------------------------------
 def cuda_state() -> dict:
     torch.manual_seed(0)

@@ -16,6 +16,8 @@ from safetensors.torch import load_file
 
 from asyncckpt import cli
 
+from conftest import run_cpu_script
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(REPO, "examples", "train_loop.py")
 
@@ -43,7 +45,7 @@ example["main"]()
 
 def run(*args: str, patch: str = "") -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-c", patch, EXAMPLE, *args] if patch else [sys.executable, EXAMPLE, *args]
-    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=180)
+    return run_cpu_script(cmd, timeout_s=180, cwd=REPO)
 
 
 def committed_steps(stdout: str) -> list[int]:

@@ -26,6 +26,7 @@ from asyncckpt import CheckpointConfig, CheckpointError, verify_checkpoint  # no
 from asyncckpt.job_lock import LOCK_FILE, FolderLocks  # noqa: E402
 from asyncckpt.lightning import AsyncCheckpointIO  # noqa: E402
 from asyncckpt.nested import unflatten_exact  # noqa: E402
+from conftest import run_cpu_script  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(REPO, "examples", "lightning_fit.py")
@@ -689,7 +690,7 @@ def test_under_a_process_group_rank0_saves_loads_and_removes_alone(tmp_path):
 
 
 def _run_example(*args: str) -> subprocess.CompletedProcess:
-    done = subprocess.run([sys.executable, EXAMPLE, *args], cwd=REPO, capture_output=True, text=True, timeout=400)
+    done = run_cpu_script([sys.executable, EXAMPLE, *args], timeout_s=400, cwd=REPO)
     assert done.returncode == 0, done.stdout + done.stderr
     return done
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 
 import pytest
@@ -19,6 +18,7 @@ pytest.importorskip("accelerate")
 import hf_trainer  # noqa: E402  (tests/ is on sys.path)
 from asyncckpt import CheckpointConfig, CheckpointError  # noqa: E402
 from asyncckpt.transformers import AsyncCheckpointMixin, AsyncCheckpointTrainer  # noqa: E402
+from conftest import run_cpu_script  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 METADATA = ".metadata"
@@ -47,8 +47,8 @@ def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
 
 def run_killed(out: str, kill_at_save: int) -> None:
     """Train in a child process that SIGKILLs itself right after scheduling the save at that step."""
-    done = subprocess.run([sys.executable, os.path.join(HERE, "hf_trainer.py"), out, "--kill-at-save", str(kill_at_save)],
-                          capture_output=True, text=True, timeout=240, cwd=HERE)
+    done = run_cpu_script([sys.executable, os.path.join(HERE, "hf_trainer.py"), out, "--kill-at-save", str(kill_at_save)],
+                          timeout_s=240, cwd=HERE)
     assert done.returncode == -9, done.stderr[-2000:]
 
 
@@ -250,7 +250,7 @@ def torchrun_training(out: str, *extra: str) -> None:
     """2-rank DDP (gloo, CPU) with the same global batch as the 1-process runs."""
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
                "--rdzv-endpoint", "localhost:0", os.path.join(HERE, "hf_trainer.py"), out, "--ddp", *extra]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=HERE)
+    done = run_cpu_script(command, timeout_s=300, cwd=HERE)
     assert done.returncode == 0, done.stderr[-3000:]
 
 
@@ -282,8 +282,7 @@ def test_the_example_trains_resumes_and_exports(tmp_path):
     run, then one that resumes (its self-checks exit non-zero when they fail)."""
     example = os.path.join(os.path.dirname(HERE), "examples", "transformers_trainer.py")
     for extra in (["--fresh", "--steps", "12"], ["--steps", "22"]):
-        done = subprocess.run([sys.executable, example, "--dir", str(tmp_path), *extra], capture_output=True, text=True,
-                              timeout=300)
+        done = run_cpu_script([sys.executable, example, "--dir", str(tmp_path), *extra], timeout_s=300)
         assert done.returncode == 0, done.stderr[-3000:]
     assert "checkpoint-12 (step 12): weights equal the checkpoint" in done.stdout
     assert "trained to step 22; committed checkpoints kept: checkpoint-20, checkpoint-22" in done.stdout  # Trainer saves at the end too

@@ -51,12 +51,18 @@ def test_threads_and_processes_prepare_one_directory_and_publish_one_file_concur
     processes = [context.Process(target=_in_process, args=(directory, target, f"p{n}", results)) for n in range(PROCESSES)]
     for process in processes:
         process.start()
-    errors = _hammer(directory, target, "main")
-    for _ in processes:
-        errors += results.get(timeout=120)
-    for process in processes:
-        process.join(30)
-        assert process.exitcode == 0
+    try:
+        errors = _hammer(directory, target, "main")
+        for _ in processes:
+            errors += results.get(timeout=120)
+        for process in processes:
+            process.join(30)
+            assert process.exitcode == 0
+    finally:  # a child left running would hang this pytest process's exit (multiprocessing joins it)
+        for process in processes:
+            if process.is_alive():
+                process.kill()
+                process.join(5)
     assert errors == [], errors[:5]
     content = open(target, "rb").read()
     assert len(content) % 100 == 0 and content == content[: len(content) // 100] * 100  # one writer's bytes, whole
