@@ -1,8 +1,12 @@
 """asyncckpt: asynchronous PyTorch DCP checkpoints written by a persistent worker process.
 
 The public names resolve on first use (PEP 562): the worker process imports `asyncckpt.protocol`,
-`formats`, `storage` and `errors`, and importing them must not load the trainer side (the
+`formats`, `layout`, `storage` and `errors`, and importing them must not load the trainer side (the
 checkpointer and its exit handler, planning, loading) into it.
+
+The folders are the parts: `save/` (the trainer's side of a save), `load/`, `storage/`, `doors/`
+(torch DCP, Lightning, Transformers), `cli/`; the worker process is the `asyncckpt_worker`
+package. docs/how_it_works.md draws the save and load paths through them.
 """
 
 from __future__ import annotations
@@ -10,21 +14,21 @@ from __future__ import annotations
 import importlib
 
 _PUBLIC = {  # name -> the module that defines it
-    "AsyncCheckpointer": "checkpointer",
+    "AsyncCheckpointer": "save.checkpointer",
     "CheckpointConfig": "config",
     "CheckpointError": "errors",
-    "CheckpointInfo": "loading",
+    "CheckpointInfo": "loading.load",
     "CheckpointTimeoutError": "errors",
     "PartialLoadError": "errors",
-    "ResumeReport": "resume",
+    "ResumeReport": "loading.resume",
     "SaveReport": "report",
     "WorkerDiedError": "errors",
-    "async_save": "torch_dcp",
-    "cleanup": "loading",
-    "latest_checkpoint": "loading",
-    "list_checkpoints": "loading",
-    "load": "loading",
-    "verify_checkpoint": "loading",
+    "async_save": "doors.torch_dcp",
+    "cleanup": "loading.load",
+    "latest_checkpoint": "loading.load",
+    "list_checkpoints": "loading.load",
+    "load": "loading.load",
+    "verify_checkpoint": "loading.load",
 }
 
 __all__ = sorted(_PUBLIC)

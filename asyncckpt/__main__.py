@@ -1,5 +1,5 @@
 """`python -m asyncckpt ...`: see asyncckpt.cli."""
 
-from .cli import main
+from .cli.commands import main
 
 raise SystemExit(main())

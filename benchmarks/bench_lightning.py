@@ -60,7 +60,7 @@ from lightning.pytorch.plugins.io import AsyncCheckpointIO as LightningAsyncIO
 from torch.utils.data import DataLoader, TensorDataset
 
 from asyncckpt import CheckpointConfig
-from asyncckpt.lightning import AsyncCheckpointIO
+from asyncckpt.doors.lightning import AsyncCheckpointIO
 
 
 class MLP(L.LightningModule):

@@ -45,7 +45,7 @@ from savebench.state import build_state, state_tensors  # noqa: E402
 
 import asyncckpt  # noqa: E402
 from asyncckpt import AsyncCheckpointer, CheckpointConfig  # noqa: E402
-from asyncckpt.byte_sources import LocalFiles  # noqa: E402
+from asyncckpt.loading.byte_sources import LocalFiles  # noqa: E402
 
 MiB = 1 << 20
 RAW_CHUNK = 8 * MiB

@@ -33,7 +33,7 @@ import torch
 import transformers
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from asyncckpt.transformers import AsyncCheckpointTrainer  # noqa: E402
+from asyncckpt.doors.transformers import AsyncCheckpointTrainer  # noqa: E402
 
 
 class Tokens(torch.utils.data.Dataset):

@@ -27,8 +27,8 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.utils.data import DataLoader, TensorDataset
 
 from asyncckpt import CheckpointConfig
-from asyncckpt.lightning import AsyncCheckpointIO
-from asyncckpt.nested import unflatten_exact
+from asyncckpt.doors.lightning import AsyncCheckpointIO
+from asyncckpt.doors.nested import unflatten_exact
 
 
 class Regressor(L.LightningModule):

@@ -22,8 +22,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 import transformers
 
-from asyncckpt.export import export_hf
-from asyncckpt.transformers import AsyncCheckpointTrainer
+from asyncckpt.cli.export import export_hf
+from asyncckpt.doors.transformers import AsyncCheckpointTrainer
 
 
 class Tokens(torch.utils.data.Dataset):

@@ -33,6 +33,9 @@ from cuda_like import dtensor_as_on_cuda
 dtensor_as_on_cuda()  # raw ops on a DTensor fail here as they do on a GPU machine
 torch.set_num_threads(1)  # in case torch was loaded before this file set OMP_NUM_THREADS
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout the suite tests
+TESTS = os.path.join(REPO, "tests")  # the helpers beside conftest (hf_trainer.py, multirank.py)
+
 __all__ = ["free_port", "stress_size", "STRESS"]  # re-exported for the tests: one helper for every loopback port
 
 # msc:// and s3:// roots both go through multi-storage-client; the object-store tests cover each

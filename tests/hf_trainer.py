@@ -12,7 +12,7 @@ import signal
 import torch
 import transformers
 
-from asyncckpt.transformers import AsyncCheckpointTrainer
+from asyncckpt.doors.transformers import AsyncCheckpointTrainer
 
 STEPS, SAVE_STEPS = 20, 5
 

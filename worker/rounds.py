@@ -32,10 +32,10 @@ from asyncckpt.protocol import (
 )
 from asyncckpt.storage import Storage, storage_for
 
-from .buckets import Bucket, Round, make_buckets, plan_rounds
-from .cache import CachedStructure
-from .staging import StagingPool
-from .writers import OpenFile, SaveData, WriteError, Writers, describe, write_streamed
+from asyncckpt_worker.buckets import Bucket, Round, make_buckets, plan_rounds
+from asyncckpt_worker.cache import CachedStructure
+from asyncckpt_worker.staging import StagingPool
+from asyncckpt_worker.writers import OpenFile, SaveData, WriteError, Writers, describe, write_streamed
 
 log = logging.getLogger("asyncckpt.worker")
 COMMIT_FILE = ".metadata"  # safe_reader.METADATA_FILE (the worker does not import the trainer side)

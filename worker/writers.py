@@ -22,9 +22,9 @@ from asyncckpt.formats import ItemSink, use_fast_serialization, write_object_byt
 from asyncckpt.protocol import TENSOR, ItemSpec, ItemWritten, WriteOptions
 from asyncckpt.storage import WriteHandle
 
-from .buckets import Bucket
-from .forkserver import ForkServer
-from .staging import SlabShare
+from asyncckpt_worker.buckets import Bucket
+from asyncckpt_worker.forkserver import ForkServer
+from asyncckpt_worker.staging import SlabShare
 
 log = logging.getLogger("asyncckpt.worker")
 
@@ -192,7 +192,7 @@ class Writers:
         if self._forks is None:
             return [WriteError(file.path, "io='process' needs the worker's fork server, which did not start")
                     for file, _ in parts]
-        from .forked import write_in_children  # it builds on this module's writers
+        from asyncckpt_worker.forked import write_in_children  # it builds on this module's writers
 
         return write_in_children(self._forks, data, parts, deadline, self._nice, self.children)
 

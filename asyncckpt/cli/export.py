@@ -25,10 +25,10 @@ from typing import Callable, Iterable, Optional
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from .errors import CheckpointError
-from .formats import SAFETENSORS_DTYPES, raw_bytes
-from .loading import load
-from .safe_reader import read_metadata
+from ..errors import CheckpointError
+from ..formats import SAFETENSORS_DTYPES, raw_bytes
+from ..loading.load import load
+from ..loading.safe_reader import read_metadata
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

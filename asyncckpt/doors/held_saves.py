@@ -25,14 +25,14 @@ from typing import Optional
 
 import torch
 
-from . import at_exit
-from .checkpointer import AsyncCheckpointer
-from .config import CheckpointConfig
-from .errors import CheckpointError
-from .private_copy import HeldCopy
+from ..save import at_exit
+from ..save.checkpointer import AsyncCheckpointer
+from ..config import CheckpointConfig
+from ..errors import CheckpointError
+from ..save.private_copy import HeldCopy
 from .removals import Removals
-from .snapshot import SHM_DIR, SHM_HEADROOM_BYTES, shared_memory_needed, shm_free_bytes
-from .storage import check_writable_without_writing
+from ..save.snapshot import SHM_DIR, SHM_HEADROOM_BYTES, shared_memory_needed, shm_free_bytes
+from ..storage import check_writable_without_writing
 
 log = logging.getLogger("asyncckpt")
 
@@ -254,7 +254,7 @@ class _HeldSave:
 
 @atexit.register
 def _close_all() -> None:
-    """Registered after asyncckpt.checkpointer's, so it runs first: commit through the lock (the
+    """Registered after asyncckpt.save.checkpointer's, so it runs first: commit through the lock (the
     commit thread may be polling) before the checkpointers are closed."""
     for saves in list(_live):
         try:

@@ -25,12 +25,12 @@ except ImportError as exc:  # asyncckpt itself does not depend on Lightning
 
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from .config import CheckpointConfig
-from .errors import CheckpointError
+from ..config import CheckpointConfig
+from ..errors import CheckpointError
 from .held_saves import HeldSaves
-from .loading import METADATA_FILE, is_checkpoint_file, load, read_metadata
+from ..loading.load import METADATA_FILE, is_checkpoint_file, load, read_metadata
 from .nested import flatten_exact, map_tensors, unflatten_exact
-from .storage import is_remote, storage_for
+from ..storage import is_remote, storage_for
 
 log = logging.getLogger("asyncckpt")
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from .errors import CheckpointError
+from ..errors import CheckpointError
 
 STRUCTURE_KEY = "asyncckpt.structure"
 _FORMAT = "asyncckpt.nested/1"

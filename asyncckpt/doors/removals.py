@@ -15,8 +15,8 @@ import logging
 import threading
 from typing import Optional
 
-from .errors import CheckpointError, CheckpointTimeoutError
-from .storage import storage_for
+from ..errors import CheckpointError, CheckpointTimeoutError
+from ..storage import storage_for
 
 log = logging.getLogger("asyncckpt")
 

@@ -14,7 +14,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from .errors import CheckpointError
+from ..errors import CheckpointError
 
 log = logging.getLogger("asyncckpt")
 

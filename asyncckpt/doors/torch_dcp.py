@@ -44,14 +44,14 @@ from torch.distributed.checkpoint.staging import BlockingAsyncStager, DefaultSta
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
 from torch.distributed.checkpoint.stateful import Stateful
 
-from .checkpointer import AsyncCheckpointer
-from .config import CheckpointConfig
-from .errors import CheckpointError
-from .loading import METADATA_FILE, read_metadata
-from .ranks import collective_timeout_s
-from .report import SaveReport
-from .private_copy import private_copy
-from .storage import check_writable_without_writing, storage_for
+from ..save.checkpointer import AsyncCheckpointer
+from ..config import CheckpointConfig
+from ..errors import CheckpointError
+from ..loading.load import METADATA_FILE, read_metadata
+from ..save.ranks import collective_timeout_s
+from ..report import SaveReport
+from ..save.private_copy import private_copy
+from ..storage import check_writable_without_writing, storage_for
 
 log = logging.getLogger(__name__)
 

@@ -9,9 +9,9 @@ import os
 import re
 from typing import Optional
 
-from .errors import CheckpointError
-from .loading import METADATA_FILE
-from .storage import storage_for
+from ..errors import CheckpointError
+from ..loading.load import METADATA_FILE
+from ..storage import storage_for
 
 log = logging.getLogger("asyncckpt")
 

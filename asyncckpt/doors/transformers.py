@@ -39,13 +39,13 @@ except ImportError as exc:  # asyncckpt itself does not depend on Transformers
 
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
 
-from .checkpointer import AsyncCheckpointer
-from .config import CheckpointConfig
-from .errors import CheckpointError
-from .loading import load
+from ..save.checkpointer import AsyncCheckpointer
+from ..config import CheckpointConfig
+from ..errors import CheckpointError
+from ..loading.load import load
 from .rng import rng_state, set_rng_state
-from .safe_reader import read_metadata
-from .storage import storage_for
+from ..loading.safe_reader import read_metadata
+from ..storage import storage_for
 from .trainer_folders import checkpoint_folders, is_committed, is_complete, remove_folder, resume_target, written_at
 
 log = logging.getLogger("asyncckpt")

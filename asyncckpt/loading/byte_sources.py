@@ -14,8 +14,8 @@ import os
 import threading
 from abc import ABC, abstractmethod
 
-from .errors import CheckpointError, PartialLoadError
-from .storage import Storage
+from ..errors import CheckpointError, PartialLoadError
+from ..storage import Storage
 
 
 class ByteSource(ABC):

@@ -18,10 +18,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 
-from .errors import CheckpointError, PartialLoadError
-from .formats import CHECKSUM_ALGORITHM, SIDECAR_NAME, Sidecar, is_data_file
+from ..errors import CheckpointError, PartialLoadError
+from ..formats import CHECKSUM_ALGORITHM, SIDECAR_NAME, Sidecar, is_data_file
 from .safe_reader import METADATA_FILE, SafeLoadPlanner, SafeReader, read_metadata
-from .storage import OpenUpload, Storage, is_remote, storage_for
+from ..storage import OpenUpload, Storage, is_remote, storage_for
 from .verify import UNCHECKED_HINT, check_items, find_sidecar, read_sidecar, sidecar_belongs_to, stale_sidecars
 
 __all__ = ["METADATA_FILE", "SafeLoadPlanner", "SafeReader", "read_metadata"]  # where callers found them

@@ -29,8 +29,8 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, Read
 
 from .archive import ArchiveError, TensorRecord, locate_tensor
 from .byte_sources import ByteSource, LocalFiles
-from .errors import CheckpointError, PartialLoadError
-from .formats import Sidecar
+from ..errors import CheckpointError, PartialLoadError
+from ..formats import Sidecar
 
 BUFFER_BYTES = 16 << 20  # each thread's buffer for tensors that cannot be read in place: slabs up to this
 

@@ -17,9 +17,9 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from .errors import CheckpointError, PartialLoadError
-from .loading import NOT_CHANGED, PARTLY_LOADED, CheckpointInfo, damage_of, load, resume_order
-from .ranks import RankGroup
+from ..errors import CheckpointError, PartialLoadError
+from .load import NOT_CHANGED, PARTLY_LOADED, CheckpointInfo, damage_of, load, resume_order
+from ..save.ranks import RankGroup
 
 log = logging.getLogger("asyncckpt")
 

@@ -19,15 +19,15 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
-from .errors import CheckpointError
-from .formats import Sidecar, is_safetensors_file
+from ..errors import CheckpointError
+from ..formats import Sidecar, is_safetensors_file
 from .byte_sources import LocalFiles, ObjectRanges
 from .reader import ItemRead, fetch_items, place_items
 from .safety import (
     TRUST_HINT, check_ranges, check_relative_path, load_metadata, load_object, load_tensor, raw_tensor, refused_globals,
     refused_objects_text,
 )
-from .storage import LocalStorage, storage_for
+from ..storage import LocalStorage, storage_for
 from .verify import UNCHECKED_HINT, find_sidecar, read_sidecar, sidecar_belongs_to
 
 log = logging.getLogger(__name__)

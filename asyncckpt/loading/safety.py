@@ -20,8 +20,8 @@ import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
-from .errors import CheckpointError
-from .storage import Storage
+from ..errors import CheckpointError
+from ..storage import Storage
 
 _DCP = "torch.distributed.checkpoint.metadata"
 _OLD_DCP = "torch.distributed._shard.sharded_tensor.metadata"  # where older torch releases pickled TensorProperties from

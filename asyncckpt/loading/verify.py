@@ -16,10 +16,10 @@ from typing import Callable, Iterator, Optional
 
 from torch.distributed.checkpoint.metadata import Metadata
 
-from .errors import CheckpointError
-from .formats import CHECKSUMS_FILE, SIDECAR_NAME, Sidecar, decode_checksums, sidecar_file
+from ..errors import CheckpointError
+from ..formats import CHECKSUMS_FILE, SIDECAR_NAME, Sidecar, decode_checksums, sidecar_file
 from .safety import check_relative_path
-from .storage import Storage
+from ..storage import Storage
 
 _SAVE_ID = re.compile(r"^[0-9a-f]{32}$")
 READ_CHUNK = 64 << 20

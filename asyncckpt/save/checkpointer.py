@@ -17,23 +17,23 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from . import at_exit
 from .commit import RankOutcome, SaveTarget, finish_save
-from .config import CheckpointConfig
-from .errors import CheckpointError
-from .formats import new_file_tag
-from .loading import METADATA_FILE, step_dir_name
+from ..config import CheckpointConfig
+from ..errors import CheckpointError
+from ..formats import new_file_tag
+from ..loading.load import METADATA_FILE, step_dir_name
 from .incremental import Continuation
 from .planning import Planning
 from .ranks import RankGroup, finalize_bound_s
 from .inflight import InFlightSave
 from .job_lock import FolderLocks, parent_folder
 from .rank_worker import RankWorker
-from .report import SaveReport, publish
-from .resume import ResumeReport, resume
+from ..report import SaveReport, publish
+from ..loading.resume import ResumeReport, resume
 from .retention import Janitor, discard_uncommitted
-from .safety import refused_globals, refused_objects_text
-from .protocol import CACHE_SLOTS
+from ..loading.safety import refused_globals, refused_objects_text
+from ..protocol import CACHE_SLOTS
 from .snapshot import Snapshot, copies_warning, take_snapshot
-from .storage import storage_for
+from ..storage import storage_for
 
 log = logging.getLogger("asyncckpt")
 

@@ -15,8 +15,8 @@ from typing import Optional
 import torch.multiprocessing as tmp
 from multiprocessing.reduction import ForkingPickler
 
-from .errors import CheckpointTimeoutError, WorkerDiedError
-from .protocol import Ready, SaveFailed, SaveRequest, Shutdown, WorkerSettings
+from ..errors import CheckpointTimeoutError, WorkerDiedError
+from ..protocol import Ready, SaveFailed, SaveRequest, Shutdown, WorkerSettings
 
 log = logging.getLogger(__name__)
 

@@ -22,12 +22,12 @@ from typing import Optional
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-from .formats import ItemChecksum, encode_checksums, sidecar_file
-from .loading import LATEST_FILE, METADATA_FILE
-from .protocol import ItemWritten, WriteDone
+from ..formats import ItemChecksum, encode_checksums, sidecar_file
+from ..loading.load import LATEST_FILE, METADATA_FILE
+from ..protocol import ItemWritten, WriteDone
 from .ranks import RankGroup
 from .retention import Janitor, Tidy, discard_uncommitted
-from .storage import Storage
+from ..storage import Storage
 
 log = logging.getLogger(__name__)
 

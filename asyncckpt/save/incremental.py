@@ -10,11 +10,11 @@ from __future__ import annotations
 import logging
 from typing import Optional
 
-from .errors import CheckpointError
-from .protocol import IncrementalBase, ItemIndex, ItemWritten
-from .safe_reader import read_metadata
-from .storage import storage_for
-from .verify import committed_save_id, find_sidecar, read_sidecar, sidecar_belongs_to
+from ..errors import CheckpointError
+from ..protocol import IncrementalBase, ItemIndex, ItemWritten
+from ..loading.safe_reader import read_metadata
+from ..storage import storage_for
+from ..loading.verify import committed_save_id, find_sidecar, read_sidecar, sidecar_belongs_to
 
 log = logging.getLogger("asyncckpt")
 

@@ -9,8 +9,8 @@ from typing import Optional
 from torch.distributed.checkpoint.metadata import Metadata
 
 from .commit import RankOutcome, Verdict
-from .protocol import Staged
-from .report import SaveReport
+from ..protocol import Staged
+from ..report import SaveReport
 
 
 @dataclass

@@ -28,8 +28,8 @@ import uuid
 from dataclasses import asdict, dataclass, replace
 from typing import Optional, Union
 
-from .errors import CheckpointError
-from .storage import Storage, is_remote, storage_for
+from ..errors import CheckpointError
+from ..storage import Storage, is_remote, storage_for
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.stateful import Stateful
 
-from .errors import CheckpointError
+from ..errors import CheckpointError
 from .ranks import RankGroup
 
 

@@ -16,10 +16,10 @@ import torch
 
 from .client import WorkerClient, free_released_cuda_blocks
 from .commit import RankOutcome
-from .config import CheckpointConfig, write_options
-from .errors import CheckpointTimeoutError, WorkerDiedError
+from ..config import CheckpointConfig, write_options
+from ..errors import CheckpointTimeoutError, WorkerDiedError
 from .inflight import InFlightSave
-from .protocol import CACHE_SLOTS, IncrementalBase, Prepared, SaveFailed, SaveRequest, Staged, WorkerSettings, WriteDone
+from ..protocol import CACHE_SLOTS, IncrementalBase, Prepared, SaveFailed, SaveRequest, Staged, WorkerSettings, WriteDone
 from .snapshot import Snapshot, WorkerHolds, tensors_to_send
 
 log = logging.getLogger("asyncckpt")

@@ -19,8 +19,8 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .config import CheckpointConfig
-from .errors import CheckpointError
+from ..config import CheckpointConfig
+from ..errors import CheckpointError
 
 
 _CALL_KINDS = {"schedule_save": 1, "finalize": 2, "prepare": 3}

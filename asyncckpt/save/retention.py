@@ -17,10 +17,10 @@ import threading
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
-from .errors import CheckpointError, CheckpointTimeoutError
-from .formats import SIDECAR_NAME, is_data_file
-from .loading import METADATA_FILE, list_checkpoints, read_latest_marker, read_metadata, unreferenced_files, uploads_left_open
-from .storage import Storage, storage_for
+from ..errors import CheckpointError, CheckpointTimeoutError
+from ..formats import SIDECAR_NAME, is_data_file
+from ..loading.load import METADATA_FILE, list_checkpoints, read_latest_marker, read_metadata, unreferenced_files, uploads_left_open
+from ..storage import Storage, storage_for
 
 log = logging.getLogger(__name__)
 

@@ -19,9 +19,9 @@ from typing import Optional
 import torch
 import torch.multiprocessing
 
-from .errors import CheckpointError
+from ..errors import CheckpointError
 from .planning import PlannedSave, is_tensor_item
-from .protocol import BYTES, TENSOR, ItemIndex, ItemSpec
+from ..protocol import BYTES, TENSOR, ItemIndex, ItemSpec
 from .subclasses import local_tensor, plain_tensor
 
 log = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.tensor import DTensor
 
-from .errors import CheckpointError
+from ..errors import CheckpointError
 
 PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 

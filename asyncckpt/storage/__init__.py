@@ -19,7 +19,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Optional
 
-from .errors import CheckpointError
+from ..errors import CheckpointError
 
 
 class WriteHandle(ABC):
@@ -383,7 +383,7 @@ def _make_backend(path: str, kind: str) -> Storage:
     if kind == "local":
         return LocalStorage()
     try:
-        from .msc_storage import MscStorage
+        from .msc import MscStorage
 
         return MscStorage()
     except ImportError as exc:

@@ -139,7 +139,7 @@ def test_a_script_with_its_own_worker_module_checkpoints(tmp_path):
 def test_ls_of_an_object_store_root_shows_the_age_of_each_checkpoint(s3_server, request, capsys):
     """`asyncckpt ls` asks the storage when a checkpoint was committed, so an s3:// root shows
     ages as a local one does (before, any object-store path showed "-"); a torn prefix has none."""
-    from asyncckpt import cli
+    from asyncckpt.cli import commands as cli
     from asyncckpt.storage import storage_for
 
     root = s3_server.url("s3", s3_server.unique_prefix(request.node.name) + "/ckpt")

@@ -7,7 +7,9 @@ import os
 import subprocess
 import sys
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import REPO
+
+REPO_ROOT = REPO
 SCRIPT = os.path.join(REPO_ROOT, "benchmarks", "bench_gpu.py")
 
 

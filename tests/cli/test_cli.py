@@ -14,10 +14,10 @@ import sys
 import pytest
 import torch
 
-from asyncckpt import AsyncCheckpointer, cli
-from conftest import Payload, clone_state, make_model_and_optimizer, make_state, rewrite_metadata, step_path, train_step
+from asyncckpt import AsyncCheckpointer
+from asyncckpt.cli import commands as cli
+from conftest import REPO, Payload, clone_state, make_model_and_optimizer, make_state, rewrite_metadata, step_path, train_step
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
@@ -241,7 +241,7 @@ def test_help_texts(capsys):
 
 HELP_AND_USAGE_ERRORS = """
 import json, sys
-from asyncckpt import cli
+from asyncckpt.cli import commands as cli
 codes = []
 for argv in (["--help"], ["export", "--help"], ["frobnicate"], ["export", "CKPT", "OUT"]):
     try:

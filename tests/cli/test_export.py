@@ -13,14 +13,14 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 
-from asyncckpt import AsyncCheckpointer, cli
-from asyncckpt.export import export_hf, parse_size
-from asyncckpt.nested import flatten_exact
-from conftest import MemorySampler, step_path
+from asyncckpt import AsyncCheckpointer
+from asyncckpt.cli import commands as cli
+from asyncckpt.cli.export import export_hf, parse_size
+from asyncckpt.doors.nested import flatten_exact
+from conftest import REPO, MemorySampler, step_path
 
 transformers = pytest.importorskip("transformers")  # the test extra installs it
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def tiny_gpt2():

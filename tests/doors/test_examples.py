@@ -14,11 +14,10 @@ import sys
 import pytest
 from safetensors.torch import load_file
 
-from asyncckpt import cli
+from asyncckpt.cli import commands as cli
 
-from conftest import run_cpu_script
+from conftest import REPO, run_cpu_script
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(REPO, "examples", "train_loop.py")
 
 # small versions of `make example`: saves at 0, 10, 20 and the last step, 29; then resume to 45

@@ -23,12 +23,11 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save  # noqa:
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from asyncckpt import CheckpointConfig, CheckpointError, verify_checkpoint  # noqa: E402
-from asyncckpt.job_lock import LOCK_FILE, FolderLocks  # noqa: E402
-from asyncckpt.lightning import AsyncCheckpointIO  # noqa: E402
-from asyncckpt.nested import unflatten_exact  # noqa: E402
-from conftest import run_cpu_script  # noqa: E402
+from asyncckpt.save.job_lock import LOCK_FILE, FolderLocks  # noqa: E402
+from asyncckpt.doors.lightning import AsyncCheckpointIO  # noqa: E402
+from asyncckpt.doors.nested import unflatten_exact  # noqa: E402
+from conftest import REPO, run_cpu_script  # noqa: E402
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(REPO, "examples", "lightning_fit.py")
 MiB = 1 << 20
 
@@ -136,7 +135,7 @@ def _awkward_checkpoint() -> dict:
 
 
 def _clone(obj):
-    from asyncckpt.nested import map_tensors
+    from asyncckpt.doors.nested import map_tensors
     return map_tensors(obj, lambda t: t.clone())
 
 
@@ -147,7 +146,7 @@ def test_load_checkpoint_returns_exactly_the_saved_dict_as_of_the_save(tmp_path)
     plugin = AsyncCheckpointIO(max_in_flight=1)
     try:
         plugin.save_checkpoint(checkpoint, path)
-        from asyncckpt.nested import map_tensors
+        from asyncckpt.doors.nested import map_tensors
         map_tensors(checkpoint, lambda t: t.add_(1))  # every tensor changes right after the call returns
         loaded = plugin.load_checkpoint(path)  # waits for the save in flight
     finally:
@@ -214,7 +213,7 @@ def test_without_shared_memory_for_a_held_copy_the_second_save_waits_and_both_co
     held copy too: the second save of an event is not held (it would fail at hand-over) but waits
     for the first one's writes, once warned, without copying the state first; both checkpoints
     commit with their call's values."""
-    import asyncckpt.held_saves as held_saves
+    import asyncckpt.doors.held_saves as held_saves
 
     plugin = AsyncCheckpointIO(CheckpointConfig(io_workers=1))
     model = {"w": torch.arange(1 << 20, dtype=torch.float32)}  # 4 MiB
@@ -251,8 +250,8 @@ def _held_copy_counts_a_dtensors_shard(rank: int, world: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from asyncckpt.private_copy import HeldCopy
-    from asyncckpt.snapshot import shm_bytes
+    from asyncckpt.save.private_copy import HeldCopy
+    from asyncckpt.save.snapshot import shm_bytes
 
     mesh = init_device_mesh("cpu", (world,))
     state = {"w": distribute_tensor(torch.ones(300, 100), mesh, [Shard(0)]), "b": torch.ones(10)}
@@ -266,8 +265,8 @@ def test_a_held_copy_says_how_much_shared_memory_its_save_needs():
     """What the plugin checks against /dev/shm's free space before holding a copy: nothing for a
     tensor that lands in memory the previous copy already shared, its page-rounded bytes for a
     fresh one (a new shape, a DTensor's local shard)."""
-    from asyncckpt.private_copy import HeldCopy
-    from asyncckpt.snapshot import shm_bytes
+    from asyncckpt.save.private_copy import HeldCopy
+    from asyncckpt.save.snapshot import shm_bytes
     from multirank import run_ranks
 
     held = HeldCopy()

@@ -27,8 +27,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 import asyncckpt
-from asyncckpt import CheckpointConfig, CheckpointError, client, torch_dcp
-from asyncckpt.job_lock import LOCK_FILE, FolderLocks
+from asyncckpt import CheckpointConfig, CheckpointError, torch_dcp
+from asyncckpt.save import client
+from asyncckpt.save.job_lock import LOCK_FILE, FolderLocks
 from multirank import run_ranks
 
 ROWS, COLS = 8, 12

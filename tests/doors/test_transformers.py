@@ -17,10 +17,10 @@ pytest.importorskip("accelerate")
 
 import hf_trainer  # noqa: E402  (tests/ is on sys.path)
 from asyncckpt import CheckpointConfig, CheckpointError  # noqa: E402
-from asyncckpt.transformers import AsyncCheckpointMixin, AsyncCheckpointTrainer  # noqa: E402
-from conftest import run_cpu_script  # noqa: E402
+from asyncckpt.doors.transformers import AsyncCheckpointMixin, AsyncCheckpointTrainer  # noqa: E402
+from conftest import TESTS, run_cpu_script  # noqa: E402
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = TESTS  # hf_trainer.py lies there
 METADATA = ".metadata"
 
 

@@ -55,7 +55,7 @@ def test_rng_state_of_a_cpu_job_on_a_machine_with_a_gpu_leaves_cuda_alone(monkey
     """The Transformers door saves every generator's state: CUDA's only once the job has
     initialised CUDA (reading them creates a context), and CUDA's as a load template when the
     checkpoint holds them."""
-    from asyncckpt.rng import rng_state
+    from asyncckpt.doors.rng import rng_state
 
     def touched(*args, **kwargs):
         raise AssertionError("a CPU-only job touched CUDA")

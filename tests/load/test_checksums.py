@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from asyncckpt import AsyncCheckpointer, CheckpointConfig, CheckpointError, PartialLoadError, load
-from asyncckpt.loading import PARTLY_LOADED, verify_checkpoint
+from asyncckpt.loading.load import PARTLY_LOADED, verify_checkpoint
 from conftest import assert_state_equal, clone_state, step_path, zeros_like_state
 
 
@@ -244,7 +244,7 @@ DAMAGES = ["truncated JSON", "not UTF-8", "not an object", "no items", "an item 
 @pytest.mark.parametrize("how", DAMAGES)
 def test_a_damaged_sidecar_is_a_checkpoint_error_naming_it(tmp_path, capsys, how):
     """verify_checkpoint, load (with or without verify) and the CLI's verify all refuse it by name."""
-    from asyncckpt import cli
+    from asyncckpt.cli import commands as cli
 
     path, expected = saved_checkpoint(str(tmp_path / "ckpt"))
     sidecar = os.path.join(path, ".checksums.json")

@@ -14,13 +14,13 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-import asyncckpt.archive as archive
-import asyncckpt.reader as reader
+import asyncckpt.loading.archive as archive
+import asyncckpt.loading.reader as reader
 from asyncckpt import AsyncCheckpointer, CheckpointConfig, CheckpointError, PartialLoadError, load
-from asyncckpt.byte_sources import LocalFiles, ObjectRanges
+from asyncckpt.loading.byte_sources import LocalFiles, ObjectRanges
 from asyncckpt.formats import SAFETENSORS_DTYPES, is_data_file
-from asyncckpt.loading import read_metadata
-from asyncckpt.msc_storage import MscStorage
+from asyncckpt.loading.load import read_metadata
+from asyncckpt.storage.msc import MscStorage
 from asyncckpt.testing.s3_server import BUCKET
 
 SHAPE = (37, 29)

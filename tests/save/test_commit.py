@@ -15,9 +15,10 @@ import threading
 import pytest
 import torch
 
-from asyncckpt import AsyncCheckpointer, CheckpointConfig, CheckpointError, cli, load, verify_checkpoint
+from asyncckpt import AsyncCheckpointer, CheckpointConfig, CheckpointError, load, verify_checkpoint
+from asyncckpt.cli import commands as cli
 from asyncckpt import storage as storage_module
-from asyncckpt.loading import list_checkpoints, read_latest_marker
+from asyncckpt.loading.load import list_checkpoints, read_latest_marker
 from asyncckpt.storage import LocalStorage, is_remote
 from conftest import assert_state_equal, clone_state, zeros_like_state
 
@@ -33,7 +34,7 @@ def install(monkeypatch, root: str, backend) -> None:
 
 def backend_class(root: str) -> type:
     if is_remote(root):
-        from asyncckpt.msc_storage import MscStorage
+        from asyncckpt.storage.msc import MscStorage
 
         return MscStorage
     return LocalStorage

@@ -27,10 +27,9 @@ import pytest
 import torch
 
 from asyncckpt import AsyncCheckpointer, CheckpointConfig, cleanup, latest_checkpoint, load, verify_checkpoint
-from asyncckpt.loading import list_checkpoints, read_latest_marker
-from conftest import stress_size, wait_gone
+from asyncckpt.loading.load import list_checkpoints, read_latest_marker
+from conftest import REPO, stress_size, wait_gone
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ITERATIONS = stress_size("CRASHES", ci=8, full=20)
 TENSORS, NUMEL = 4, 1 << 18  # 4 x 2 MiB of float64
 

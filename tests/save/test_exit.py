@@ -3,14 +3,13 @@ that fails the script says so (an ERROR log line, a message on stderr) and exits
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
 
-from asyncckpt.loading import list_checkpoints, read_latest_marker
+from asyncckpt.loading.load import list_checkpoints, read_latest_marker
+from conftest import REPO
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SCRIPT = textwrap.dedent(
     """
@@ -62,7 +61,7 @@ def test_last_save_succeeding_at_exit_commits_it_and_exits_0(tmp_path):
 
 LET_GO_BEFORE_READY = """
 import os
-from asyncckpt.client import WorkerClient
+from asyncckpt.save.client import WorkerClient
 from asyncckpt.protocol import WorkerSettings
 
 client = WorkerClient(WorkerSettings(rank=0, parent_pid=os.getpid()), start_timeout_s=300.0)

@@ -18,9 +18,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from asyncckpt import AsyncCheckpointer, CheckpointConfig, CheckpointError, load
 from asyncckpt.storage import is_remote, storage_for
-from conftest import assert_state_equal, clone_state, make_model_and_optimizer, make_state, step_path, train_step, wait_gone, zeros_like_state
+from conftest import REPO, assert_state_equal, clone_state, make_model_and_optimizer, make_state, step_path, train_step, wait_gone, zeros_like_state
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 pytestmark = pytest.mark.all_backends  # tests taking ckpt_root also run on msc:// and s3:// roots
 

@@ -18,14 +18,13 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from asyncckpt import AsyncCheckpointer, CheckpointConfig, CheckpointError, cleanup, list_checkpoints
-from asyncckpt import job_lock
-from asyncckpt.cli import main as cli_main
-from asyncckpt.job_lock import LOCK_FILE, FolderLocks, Holder
+from asyncckpt.save import job_lock
+from asyncckpt.cli.commands import main as cli_main
+from asyncckpt.save.job_lock import LOCK_FILE, FolderLocks, Holder
 from asyncckpt.storage import storage_for
-from conftest import wait_gone
+from conftest import REPO, wait_gone
 from multirank import run_ranks
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 JOB_VARIABLES = ("ASYNCCKPT_JOB_ID", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID")
 
 HOLDER = textwrap.dedent(

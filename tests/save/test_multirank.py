@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 import asyncckpt
 from asyncckpt import AsyncCheckpointer, CheckpointConfig, CheckpointError
-from asyncckpt.ranks import collective_timeout_s
+from asyncckpt.save.ranks import collective_timeout_s
 from conftest import STRESS
 from multirank import run_ranks
 

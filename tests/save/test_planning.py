@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from asyncckpt import AsyncCheckpointer, load
-from asyncckpt.planning import Planning, is_tensor_item, plan_signature
-from asyncckpt.ranks import RankGroup
+from asyncckpt.save.planning import Planning, is_tensor_item, plan_signature
+from asyncckpt.save.ranks import RankGroup
 from conftest import assert_state_equal, step_path, zeros_like_state
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from asyncckpt import AsyncCheckpointer, CheckpointError, load
-from asyncckpt import snapshot
+from asyncckpt.save import snapshot
 from conftest import assert_state_equal, clone_state, step_path, zeros_like_state
 from multirank import run_ranks
 

@@ -19,12 +19,11 @@ import pytest
 import torch
 
 from asyncckpt import AsyncCheckpointer, CheckpointConfig, CheckpointError, CheckpointTimeoutError, load
-from asyncckpt import snapshot as snapshot_module
-from asyncckpt.loading import read_latest_marker
-from asyncckpt.snapshot import SHM_DIR, SharingNeeds, check_shm_space, ensure_fd_room, shared_memory_needed
-from conftest import assert_state_equal, call_when_waiting, clone_state, step_path, wait_gone, zeros_like_state
+from asyncckpt.save import snapshot as snapshot_module
+from asyncckpt.loading.load import read_latest_marker
+from asyncckpt.save.snapshot import SHM_DIR, SharingNeeds, check_shm_space, ensure_fd_room, shared_memory_needed
+from conftest import REPO, assert_state_equal, call_when_waiting, clone_state, step_path, wait_gone, zeros_like_state
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MiB = 1 << 20
 
 

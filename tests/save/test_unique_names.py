@@ -8,7 +8,7 @@ import multiprocessing
 import os
 import threading
 
-from asyncckpt.loading import cleanup
+from asyncckpt.loading.load import cleanup
 from asyncckpt.storage import LocalStorage, unique_suffix
 
 THREADS = 8

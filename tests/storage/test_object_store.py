@@ -22,7 +22,7 @@ import torch.distributed.checkpoint as dcp
 import asyncckpt
 
 from asyncckpt import AsyncCheckpointer, CheckpointConfig, CheckpointError, load
-from asyncckpt.msc_storage import MscStorage
+from asyncckpt.storage.msc import MscStorage
 from asyncckpt.storage import storage_for
 from asyncckpt.testing.s3_server import BUCKET, PROFILE, write_msc_config
 from conftest import (
@@ -357,7 +357,7 @@ def _measure_save(root: str, state: dict, config: CheckpointConfig):
 def test_worker_memory_while_uploading_stays_near_the_staging_pool(s3, tmp_path):
     """The staging pool holds the state once; uploads add bounded buffers on top: multipart
     chunks for large files, and at most SINGLE_PUT_MEMORY_BYTES for files msc sends in one PUT."""
-    from asyncckpt.msc_storage import SINGLE_PUT_MEMORY_BYTES
+    from asyncckpt.storage.msc import SINGLE_PUT_MEMORY_BYTES
 
     config = CheckpointConfig(io_workers=4, checksums=False, timeout_s=300)
     cases = [  # (label, tensor bytes, count, roots)
@@ -391,7 +391,7 @@ def test_worker_memory_while_uploading_stays_near_the_staging_pool(s3, tmp_path)
 def test_upload_memory_wait_is_bounded_and_names_the_upload():
     """An upload that hangs while holding the shared upload memory must not hold the next
     upload forever: its wait ends at its bound with a TimeoutError naming it."""
-    from asyncckpt.msc_storage import _MemoryBudget
+    from asyncckpt.storage.msc import _MemoryBudget
 
     budget = _MemoryBudget(100)
     held, release = threading.Event(), threading.Event()

@@ -16,9 +16,8 @@ import pytest
 import torch
 
 from asyncckpt import AsyncCheckpointer, CheckpointConfig, CheckpointError, load
-from conftest import assert_state_equal, clone_state, stress_size, wait_gone, zeros_like_state
+from conftest import REPO, assert_state_equal, clone_state, stress_size, wait_gone, zeros_like_state
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SAVES = stress_size("SAVES", ci=24, full=96)
 FORKS = stress_size("FORKS", ci=200, full=1000)
 

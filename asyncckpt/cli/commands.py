@@ -16,8 +16,8 @@ import traceback
 from pathlib import Path
 from typing import Optional
 
-from .errors import CheckpointError
-from .storage import Storage, storage_for
+from ..errors import CheckpointError
+from ..storage import Storage, storage_for
 
 # The modules that read checkpoints import torch (1-2 s): each command imports them when it runs,
 # so --help and argument errors answer at once (help texts spell .metadata and .checksums.json).
@@ -56,8 +56,8 @@ def _open_dir(path: str) -> tuple[Storage, str]:
 
 def _kind(storage: Storage, path: str) -> str:
     """"checkpoint" (committed), "torn" (a step directory without .metadata), "root" or "other"."""
-    from .formats import is_data_file
-    from .loading import LATEST_FILE, METADATA_FILE, list_checkpoints, parse_step
+    from ..formats import is_data_file
+    from ..loading.load import LATEST_FILE, METADATA_FILE, list_checkpoints, parse_step
 
     if storage.exists(storage.join(path, METADATA_FILE)):
         return "checkpoint"
@@ -71,7 +71,7 @@ def _kind(storage: Storage, path: str) -> str:
 
 def _checkpoint(path: str) -> tuple[Storage, str]:
     """A committed checkpoint directory; a root stands for the checkpoint `latest` names."""
-    from .loading import METADATA_FILE, latest_checkpoint
+    from ..loading.load import METADATA_FILE, latest_checkpoint
 
     storage, path = _open_dir(path)
     kind = _kind(storage, path)
@@ -91,8 +91,8 @@ def _checkpoint(path: str) -> tuple[Storage, str]:
 def _metadata(path: str, trusted: bool = False):
     """The checkpoint's DCP metadata, read through the library's safe path (restricted unpickling
     unless `trusted`); a refused or unreadable `.metadata` is a CliError."""
-    from .loading import METADATA_FILE, read_metadata
-    from .safety import TRUST_HINT
+    from ..loading.load import METADATA_FILE, read_metadata
+    from ..loading.safety import TRUST_HINT
 
     try:
         metadata = read_metadata(path, trusted=trusted)
@@ -162,7 +162,7 @@ class _Progress:
 
 # commands --------------------------------------------------------------------------------------
 def cmd_ls(args: argparse.Namespace) -> int:
-    from .loading import LATEST_FILE, METADATA_FILE, list_checkpoints, read_latest_marker
+    from ..loading.load import LATEST_FILE, METADATA_FILE, list_checkpoints, read_latest_marker
 
     storage, root = _open_dir(args.root)
     kind = _kind(storage, root)
@@ -192,7 +192,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
 def _ls_state(storage: Storage, info) -> tuple[str, Optional[str]]:
     """"committed", "torn", or "refused"/"unreadable" with why: a committed checkpoint's
     `.metadata` is read the safe way (a crafted one is refused, never run)."""
-    from .loading import METADATA_FILE
+    from ..loading.load import METADATA_FILE
 
     if not info.committed:
         return "torn", None
@@ -207,7 +207,7 @@ def _ls_state(storage: Storage, info) -> tuple[str, Optional[str]]:
 
 def _ls_row(storage: Storage, info, state: str, latest: Optional[str]) -> list:
     """One table row (and, last, the size in bytes); a save in flight may change files meanwhile."""
-    from .loading import METADATA_FILE
+    from ..loading.load import METADATA_FILE
 
     size, count, age = 0, 0, None
     try:
@@ -253,8 +253,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     """The library's verifier (verify.check_items), with a progress bar and one line per damaged item."""
-    from .formats import CHECKSUMS_FILE
-    from .verify import check_items, find_sidecar, read_sidecar, sidecar_belongs_to
+    from ..formats import CHECKSUMS_FILE
+    from ..loading.verify import check_items, find_sidecar, read_sidecar, sidecar_belongs_to
 
     storage, path = _checkpoint(args.path)
     metadata = _metadata(path, args.trusted)
