@@ -12,7 +12,6 @@ import functools
 import json
 import re
 import struct
-import uuid
 import zlib
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional, Sequence
@@ -22,46 +21,11 @@ import numpy as np
 import torch
 import xxhash
 
+from .layout import SAFETENSORS, TORCH_SAVE
 from .storage import WriteHandle
 
-CHECKSUMS_FILE = ".checksums.json"  # the sidecar of a save into a fresh step directory
-SIDECAR_NAME = re.compile(r"^\.checksums(\.[0-9a-f]{32})?\.json$")  # either kind of sidecar
 CHECKSUM_ALGORITHM = "crc32c"  # hardware CRC32C: about 9 GiB/s a core here, zlib's CRC32 2.6
-TORCH_SAVE = "torch_save"
-SAFETENSORS = "safetensors"
-TORCH_SAVE_SUFFIX = ".distcp"
-SAFETENSORS_SUFFIX = ".safetensors"
 DCP_SHARDING_INFO = "DCP_SHARDING_INFO"  # the key DCP's HuggingFaceStorageReader reads chunk offsets from
-
-
-# data file names -------------------------------------------------------------------------------
-# A save's data files are `__{rank}_{n}{tag}.distcp` (torch_save) or `.safetensors`. The tag is
-# empty, or "." and 8 hex digits when the save replaces a committed checkpoint of the same step:
-# its files then get other names, and the old checkpoint stays whole until the new one commits.
-_DATA_FILE = re.compile(
-    rf"^__\d+_\d+(?P<tag>\.[0-9a-f]{{8}})?({re.escape(TORCH_SAVE_SUFFIX)}|{re.escape(SAFETENSORS_SUFFIX)})$"
-)
-
-
-def data_file_name(rank: int, n: int, fmt: str = TORCH_SAVE, tag: str = "") -> str:
-    """The name of data file `n` of `rank` in format `fmt`."""
-    return f"__{rank}_{n}{tag}" + (SAFETENSORS_SUFFIX if fmt == SAFETENSORS else TORCH_SAVE_SUFFIX)
-
-
-def new_file_tag() -> str:
-    """A fresh tag for the data files of a save that replaces a committed checkpoint."""
-    return f".{uuid.uuid4().hex[:8]}"
-
-
-def is_data_file(name: str, tag: Optional[str] = None) -> bool:
-    """Whether `name` is a data file a save writes (and, when `tag` is given, one with that tag)."""
-    match = _DATA_FILE.match(name)
-    return match is not None and (tag is None or (match.group("tag") or "") == tag)
-
-
-def is_safetensors_file(name: str) -> bool:
-    """Whether a data file holds raw tensor bytes (safetensors) rather than torch.save archives."""
-    return name.endswith(SAFETENSORS_SUFFIX)
 
 
 class ItemSink:
@@ -239,11 +203,6 @@ class Sidecar:
     def combine(self, crc1: int, crc2: int, length2: int) -> int:
         return crc_combine(self.algorithm, crc1, crc2, length2)
 
-
-def sidecar_file(save_id: Optional[str]) -> str:
-    """The sidecar name of a save that replaces a committed checkpoint of its step: tied to the
-    save, so the committed checkpoint's own sidecar stays in place until the new `.metadata` is."""
-    return CHECKSUMS_FILE if save_id is None else f".checksums.{save_id}.json"
 
 
 def encode_checksums(entries: list[ItemChecksum], save_id: str) -> bytes:

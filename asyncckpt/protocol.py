@@ -86,6 +86,18 @@ class WriteOptions:
     timeout_s: float = 600.0
 
 
+WORKER_ENTRY = "asyncckpt_worker.main"  # the worker's entry module: the trainer names it, never imports it
+
+
+def run_worker(entry: str, conn, settings: "WorkerSettings") -> None:
+    """The spawned worker's first call: import its entry module by name and serve `conn`. It
+    lives here because the worker imports this module anyway; the trainer side imports nothing
+    of the worker package."""
+    import importlib
+
+    importlib.import_module(entry).run(conn, settings)
+
+
 WORKER_DEADLINE_SHARE = 0.9
 CACHE_SLOTS = 2  # structures a worker keeps cached at once (SaveRequest.slot)
 

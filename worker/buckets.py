@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from asyncckpt.formats import SAFETENSORS, TORCH_SAVE, data_file_name
+from asyncckpt.layout import SAFETENSORS, TORCH_SAVE, data_file_name
 from asyncckpt.protocol import TENSOR, ItemSpec
 
 ALIGNMENT = 64  # every staged item starts on this boundary in the staging slab

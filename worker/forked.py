@@ -21,9 +21,9 @@ import torch
 
 from asyncckpt.protocol import TENSOR, ItemSpec, WriteOptions
 
-from asyncckpt_worker.buckets import Bucket
-from asyncckpt_worker.forkserver import ForkServer, ForkServerError, split_result
-from asyncckpt_worker.writers import OpenFile, SaveData, WriteError, prepare_writer, write_part
+from .buckets import Bucket
+from .forkserver import ForkServer, ForkServerError, split_result
+from .parts import OpenFile, SaveData, WriteError, prepare_writer, write_part
 
 
 @dataclass

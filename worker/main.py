@@ -22,13 +22,14 @@ import torch
 from asyncckpt.formats import use_fast_serialization
 from asyncckpt.protocol import Prepared, Ready, SaveFailed, SaveRequest, Shutdown, Staged, WorkerSettings
 
-from asyncckpt_worker.buckets import staging_need
-from asyncckpt_worker.cache import CacheMiss, StructureCache
-from asyncckpt_worker.forked import child_main
-from asyncckpt_worker.forkserver import ForkServer, name_process
-from asyncckpt_worker.rounds import run_save
-from asyncckpt_worker.staging import StagingPool
-from asyncckpt_worker.writers import WriteError, Writers
+from .buckets import staging_need
+from .cache import CacheMiss, StructureCache
+from .forked import child_main
+from .forkserver import ForkServer, name_process
+from .rounds import run_save
+from .staging import StagingPool
+from .parts import WriteError
+from .writers import Writers
 
 log = logging.getLogger("asyncckpt.worker")
 

@@ -17,28 +17,25 @@ hard-linked into the new directory instead, and only the others go into new file
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
-import struct
 import time
 from typing import Callable, Optional
 
-from asyncckpt.formats import (
-    DCP_SHARDING_INFO, SAFETENSORS, TORCH_SAVE, SafetensorsEntry, data_file_name, is_safetensors_file,
-    safetensors_header, tensor_digest,
-)
+from asyncckpt.formats import SafetensorsEntry, safetensors_header, tensor_digest
+from asyncckpt.layout import METADATA_FILE, SAFETENSORS
 from asyncckpt.protocol import (
-    TENSOR, WORKER_DEADLINE_SHARE, IncrementalBase, ItemSpec, ItemWritten, SaveRequest, WriteDone, WriteOptions,
+    TENSOR, WORKER_DEADLINE_SHARE, ItemSpec, ItemWritten, SaveRequest, WriteDone, WriteOptions,
 )
 from asyncckpt.storage import Storage, storage_for
 
-from asyncckpt_worker.buckets import Bucket, Round, make_buckets, plan_rounds
-from asyncckpt_worker.cache import CachedStructure
-from asyncckpt_worker.staging import StagingPool
-from asyncckpt_worker.writers import OpenFile, SaveData, WriteError, Writers, describe, write_streamed
+from .buckets import Bucket, Round, make_buckets, plan_rounds
+from .cache import CachedStructure
+from .reuse import item_key, reusable
+from .staging import StagingPool
+from .parts import OpenFile, SaveData, WriteError, describe, write_streamed
+from .writers import Writers
 
 log = logging.getLogger("asyncckpt.worker")
-COMMIT_FILE = ".metadata"  # safe_reader.METADATA_FILE (the worker does not import the trainer side)
 
 
 def run_save(
@@ -122,8 +119,8 @@ def _run_incremental(
     on_staged()
     deadline = time.monotonic() + bound
     digests = {pos: tensor_digest(views[pos]) for pos, spec in enumerate(entry.items) if spec.kind == TENSOR}
-    committed_here = storage.exists(storage.join(request.checkpoint_dir, COMMIT_FILE))
-    unchanged, reused, links = _reusable(
+    committed_here = storage.exists(storage.join(request.checkpoint_dir, METADATA_FILE))
+    unchanged, reused, links = reusable(
         request.bases, entry.items, digests, storage, request.checkpoint_dir, options.format, rank, request.file_tag,
         committed_here, deadline,
     )
@@ -153,8 +150,8 @@ def _run_incremental(
     except BaseException:
         abort(files)
         raise
-    position = {_key(spec): pos for pos, spec in enumerate(entry.items)}
-    items = [dataclasses.replace(w, digest=digests.get(position[_key(w)])) for w in written]
+    position = {item_key(spec): pos for pos, spec in enumerate(entry.items)}
+    items = [dataclasses.replace(w, digest=digests.get(position[item_key(w)])) for w in written]
     items += [ItemWritten(entry.items[pos].index, old.relative_path, old.offset, old.length, old.crc32, old.digest)
               for pos, old in reused.items()]
     linked = sum(old.length for old in reused.values())
@@ -167,88 +164,6 @@ def _run_incremental(
         write_s=time.perf_counter() - started,
         bytes_linked=linked,
     )
-
-
-def _reusable(
-    bases: tuple[IncrementalBase, ...], items: tuple[ItemSpec, ...], digests: dict[int, bytes], storage: Storage,
-    directory: str, fmt: str, rank: int, file_tag: str, committed_here: bool, deadline: float,
-) -> tuple[set[int], dict[int, ItemWritten], int]:
-    """The positions of the tensors stored unchanged in a base (same name, chunk, digest and
-    format), those of them reused, with where they now lie, and how many files were linked in.
-
-    Bases are tried in order, each for the tensors the ones before it did not provide. A base
-    file is reused only while at least half its bytes are still wanted (otherwise its unchanged
-    tensors are written again: stale bytes never pile up, and what a checkpoint keeps on disk stays
-    under twice its size), and a safetensors file only when every tensor its header lists is
-    reused (readers that index the headers, like DCP's HuggingFaceStorageReader, must never meet an
-    old value of a changed tensor). A re-save of a base's own directory keeps its files where they
-    are (the replaced save's removal spares what the new `.metadata` names); a file of another
-    directory is linked in under a name of this save's own (`__{rank}_{n}{file_tag}`, n from 0;
-    the new files' numbers follow), so it never meets a file of a checkpoint committed here. A
-    file that cannot be linked (its base was deleted meanwhile, another filesystem) only means its
-    tensors are written again."""
-    if not bases or not storage.supports_links:
-        return set(), {}, 0
-    unchanged: set[int] = set()
-    reused: dict[int, ItemWritten] = {}
-    links = 0
-    for base in bases:
-        stored = {_key(w): w for w in base.items
-                  if w.digest is not None and is_safetensors_file(w.relative_path) == (fmt == SAFETENSORS)}
-        same = {pos: stored[_key(items[pos])] for pos, digest in digests.items()
-                if pos not in reused and _key(items[pos]) in stored and stored[_key(items[pos])].digest == digest}
-        unchanged.update(same)
-        wanted: dict[str, list[int]] = {}
-        for pos, w in same.items():
-            wanted.setdefault(w.relative_path, []).append(pos)
-        for name, positions in sorted(wanted.items()):
-            if time.monotonic() > deadline:
-                raise WriteError(storage.join(directory, name), "linking the unchanged files did not finish in time")
-            source = storage.join(base.checkpoint_dir, name)
-            try:
-                if 2 * sum(same[pos].length for pos in positions) < storage.size(source):
-                    log.debug("incremental save: %s is mostly stale; writing its %d unchanged tensors again",
-                              source, len(positions))
-                    continue
-                if is_safetensors_file(name) and _header_keys(storage, source) != {_key(same[p]) for p in positions}:
-                    continue
-                here = name
-                if base.checkpoint_dir != directory:
-                    here = data_file_name(rank, links, SAFETENSORS if is_safetensors_file(name) else TORCH_SAVE, file_tag)
-                    target = storage.join(directory, here)
-                    if committed_here and storage.exists(target):  # never replace a committed checkpoint's file
-                        raise WriteError(target, "the save's file name is taken (a tag collision); the next save picks another")
-                    storage.link(source, target)
-                    links += 1
-            except (OSError, ValueError, KeyError, TypeError) as exc:  # (a damaged header among them)
-                log.info("incremental save: cannot reuse %s from %s (%s); writing its tensors again",
-                         name, base.checkpoint_dir, describe(exc))
-                continue
-            for pos in positions:
-                reused[pos] = dataclasses.replace(same[pos], relative_path=here)
-    return unchanged, reused, links
-
-
-def _header_keys(storage: Storage, path: str) -> set[tuple]:
-    """(name, chunk offset) of every tensor a safetensors data file of ours holds."""
-    (length,) = struct.unpack("<Q", storage.read_bytes(path, 0, 8))
-    if length > 100 << 20:
-        raise ValueError(f"{path}: a safetensors header of {length} bytes")
-    header = json.loads(storage.read_bytes(path, 8, length))
-    sharding = json.loads(header.get("__metadata__", {}).get(DCP_SHARDING_INFO, "{}"))
-    keys = set()
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        offsets = sharding.get(name, {}).get("saved_offsets", [0] * len(entry["shape"]))
-        keys.add((name.split("@[", 1)[0], tuple(offsets)))
-    return keys
-
-
-def _key(item) -> tuple:
-    """What identifies an item across saves: its name and chunk offset (ItemSpec or ItemWritten)."""
-    index = item.index
-    return index.fqn, tuple(index.offset) if index.offset is not None else None
 
 
 def open_files(

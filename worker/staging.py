@@ -22,7 +22,7 @@ import torch
 
 from asyncckpt.protocol import TENSOR, ItemSpec
 
-from asyncckpt_worker.buckets import ALIGNMENT, staged_size
+from .buckets import ALIGNMENT, staged_size
 
 
 @dataclass(frozen=True)

@@ -56,8 +56,8 @@ def _open_dir(path: str) -> tuple[Storage, str]:
 
 def _kind(storage: Storage, path: str) -> str:
     """"checkpoint" (committed), "torn" (a step directory without .metadata), "root" or "other"."""
-    from ..formats import is_data_file
-    from ..loading.load import LATEST_FILE, METADATA_FILE, list_checkpoints, parse_step
+    from ..layout import is_data_file
+    from ..layout import LATEST_FILE, METADATA_FILE, list_checkpoints, parse_step
 
     if storage.exists(storage.join(path, METADATA_FILE)):
         return "checkpoint"
@@ -71,7 +71,7 @@ def _kind(storage: Storage, path: str) -> str:
 
 def _checkpoint(path: str) -> tuple[Storage, str]:
     """A committed checkpoint directory; a root stands for the checkpoint `latest` names."""
-    from ..loading.load import METADATA_FILE, latest_checkpoint
+    from ..layout import METADATA_FILE, latest_checkpoint
 
     storage, path = _open_dir(path)
     kind = _kind(storage, path)
@@ -91,7 +91,8 @@ def _checkpoint(path: str) -> tuple[Storage, str]:
 def _metadata(path: str, trusted: bool = False):
     """The checkpoint's DCP metadata, read through the library's safe path (restricted unpickling
     unless `trusted`); a refused or unreadable `.metadata` is a CliError."""
-    from ..loading.load import METADATA_FILE, read_metadata
+    from ..loading.safe_reader import read_metadata
+    from ..layout import METADATA_FILE
     from ..loading.safety import TRUST_HINT
 
     try:
@@ -162,7 +163,7 @@ class _Progress:
 
 # commands --------------------------------------------------------------------------------------
 def cmd_ls(args: argparse.Namespace) -> int:
-    from ..loading.load import LATEST_FILE, METADATA_FILE, list_checkpoints, read_latest_marker
+    from ..layout import LATEST_FILE, METADATA_FILE, list_checkpoints, read_latest_marker
 
     storage, root = _open_dir(args.root)
     kind = _kind(storage, root)
@@ -192,7 +193,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
 def _ls_state(storage: Storage, info) -> tuple[str, Optional[str]]:
     """"committed", "torn", or "refused"/"unreadable" with why: a committed checkpoint's
     `.metadata` is read the safe way (a crafted one is refused, never run)."""
-    from ..loading.load import METADATA_FILE
+    from ..layout import METADATA_FILE
 
     if not info.committed:
         return "torn", None
@@ -207,7 +208,7 @@ def _ls_state(storage: Storage, info) -> tuple[str, Optional[str]]:
 
 def _ls_row(storage: Storage, info, state: str, latest: Optional[str]) -> list:
     """One table row (and, last, the size in bytes); a save in flight may change files meanwhile."""
-    from ..loading.load import METADATA_FILE
+    from ..layout import METADATA_FILE
 
     size, count, age = 0, 0, None
     try:
@@ -253,7 +254,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     """The library's verifier (verify.check_items), with a progress bar and one line per damaged item."""
-    from ..formats import CHECKSUMS_FILE
+    from ..layout import CHECKSUMS_FILE
     from ..loading.verify import check_items, find_sidecar, read_sidecar, sidecar_belongs_to
 
     storage, path = _checkpoint(args.path)

@@ -31,7 +31,7 @@ from ..config import CheckpointConfig
 from ..errors import CheckpointError
 from ..save.private_copy import HeldCopy
 from .removals import Removals
-from ..save.snapshot import SHM_DIR, SHM_HEADROOM_BYTES, shared_memory_needed, shm_free_bytes
+from ..save.sharing import SHM_DIR, SHM_HEADROOM_BYTES, shared_memory_needed, shm_free_bytes
 from ..storage import check_writable_without_writing
 
 log = logging.getLogger("asyncckpt")

@@ -26,9 +26,12 @@ except ImportError as exc:  # asyncckpt itself does not depend on Lightning
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ..config import CheckpointConfig
+from .door_config import check_door_config
 from ..errors import CheckpointError
 from .held_saves import HeldSaves
-from ..loading.load import METADATA_FILE, is_checkpoint_file, load, read_metadata
+from ..loading.load import load
+from ..loading.safe_reader import read_metadata
+from ..layout import METADATA_FILE, is_checkpoint_file
 from .nested import flatten_exact, map_tensors, unflatten_exact
 from ..storage import is_remote, storage_for
 
@@ -51,13 +54,7 @@ class AsyncCheckpointIO(CheckpointIO):
         super().__init__()
         if config is None:
             config = DEFAULT_CONFIG
-        if not isinstance(config, CheckpointConfig):
-            raise TypeError(f"config must be a CheckpointConfig, not {type(config).__name__}")
-        if config.keep_last is not None:
-            raise ValueError("AsyncCheckpointIO does not use keep_last: ModelCheckpoint(save_top_k=...) decides what is kept")
-        if config.staging != "eager":
-            raise ValueError("AsyncCheckpointIO needs CheckpointConfig.staging='eager': Lightning's next optimizer step "
-                             "changes the weights right after save_checkpoint returns, before a lazy copy would end")
+        check_door_config(config, "AsyncCheckpointIO", "ModelCheckpoint(save_top_k=...)")
         if type(max_in_flight) is not int or max_in_flight < 1:
             raise ValueError(f"max_in_flight must be an integer >= 1, not {max_in_flight!r}")
         self.config, self.trusted, self.max_in_flight = config, bool(trusted), max_in_flight

@@ -46,8 +46,10 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from ..save.checkpointer import AsyncCheckpointer
 from ..config import CheckpointConfig
+from .door_config import check_door_config
 from ..errors import CheckpointError
-from ..loading.load import METADATA_FILE, read_metadata
+from ..loading.safe_reader import read_metadata
+from ..layout import METADATA_FILE
 from ..save.ranks import collective_timeout_s
 from ..report import SaveReport
 from ..save.private_copy import private_copy
@@ -97,13 +99,7 @@ def configure(config: CheckpointConfig) -> None:
     """The CheckpointConfig of the checkpointers async_save creates (io, io_workers, timeout_s,
     on_commit, ...). Call before the first async_save, or after `shutdown()`."""
     global _config
-    if not isinstance(config, CheckpointConfig):
-        raise TypeError(f"config must be a CheckpointConfig, not {type(config).__name__}")
-    if config.keep_last is not None:
-        raise CheckpointError("async_save writes the directories its callers name; keep_last does not apply")
-    if config.staging != "eager":
-        raise CheckpointError("async_save returns once the state is staged, as torch's does (its callers change "
-                              "the state right after): CheckpointConfig.staging='lazy' does not apply; use 'eager'")
+    check_door_config(config, "async_save", "its caller (each checkpoint_id is a directory it names)", CheckpointError)
     with _doors_lock:
         if _doors:
             raise CheckpointError("async_save has started already; call asyncckpt.torch_dcp.shutdown() first")

@@ -10,7 +10,7 @@ import re
 from typing import Optional
 
 from ..errors import CheckpointError
-from ..loading.load import METADATA_FILE
+from ..layout import METADATA_FILE
 from ..storage import storage_for
 
 log = logging.getLogger("asyncckpt")

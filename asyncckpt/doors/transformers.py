@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimi
 
 from ..save.checkpointer import AsyncCheckpointer
 from ..config import CheckpointConfig
+from .door_config import check_door_config
 from ..errors import CheckpointError
 from ..loading.load import load
 from .rng import rng_state, set_rng_state
@@ -206,12 +207,7 @@ class AsyncCheckpointMixin:
         if self._checkpointer is None:
             self._opened_with = self.checkpoint_config
             config = self.checkpoint_config or CheckpointConfig()
-            if config.keep_last is not None:
-                raise ValueError("CheckpointConfig.keep_last does not apply to the Trainer: "
-                                 "use TrainingArguments.save_total_limit")
-            if config.staging != "eager":
-                raise ValueError("CheckpointConfig.staging='lazy' does not apply to the Trainer: the next "
-                                 "step changes weights and buffers before the copy would end; use 'eager'")
+            check_door_config(config, "The Trainer", "TrainingArguments.save_total_limit")
             self._checkpointer = AsyncCheckpointer(config=config)
         return self._checkpointer
 

@@ -7,9 +7,7 @@ checkpoint as untrusted data (see safety.py) and reads local files in parallel (
 from __future__ import annotations
 
 import logging
-import re
 import warnings
-from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -19,12 +17,12 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 
 from ..errors import CheckpointError, PartialLoadError
-from ..formats import CHECKSUM_ALGORITHM, SIDECAR_NAME, Sidecar, is_data_file
-from .safe_reader import METADATA_FILE, SafeLoadPlanner, SafeReader, read_metadata
-from ..storage import OpenUpload, Storage, is_remote, storage_for
+from ..formats import CHECKSUM_ALGORITHM, Sidecar
+from .safe_reader import SafeLoadPlanner, SafeReader, read_metadata
+from ..layout import METADATA_FILE, SIDECAR_NAME, CheckpointInfo, is_data_file, is_temp_file, latest_checkpoint, list_checkpoints, parse_step
+from ..storage import OpenUpload, is_remote, storage_for
 from .verify import UNCHECKED_HINT, check_items, find_sidecar, read_sidecar, sidecar_belongs_to, stale_sidecars
 
-__all__ = ["METADATA_FILE", "SafeLoadPlanner", "SafeReader", "read_metadata"]  # where callers found them
 
 log = logging.getLogger(__name__)
 
@@ -33,72 +31,6 @@ PARTLY_LOADED = (
     "do not train from it; load again (a good checkpoint) or rebuild it from fresh values"
 )
 NOT_CHANGED = "nothing in state_dict was changed"
-LATEST_FILE = "latest"
-_STEP_DIR = re.compile(r"^step_(\d{8,})$")
-# write_atomic's temp files (stock DCP: .metadata.tmp) and prepare_dir's probes
-_TEMP_FILE = re.compile(
-    r"^\.(\.metadata|\.checksums(\.[0-9a-f]{32})?\.json|latest)\.tmp-[A-Za-z0-9-]+$|^\.metadata\.tmp$|^\.asyncckpt-probe-[\w-]+$"
-)
-
-
-def is_checkpoint_file(name: str) -> bool:
-    """Whether a file of this name is one a save writes into a checkpoint directory."""
-    return name == METADATA_FILE or bool(SIDECAR_NAME.match(name)) or is_data_file(name) or bool(_TEMP_FILE.match(name))
-
-
-def step_dir_name(step: int) -> str:
-    return f"step_{step:08d}"
-
-
-def parse_step(name: str) -> Optional[int]:
-    match = _STEP_DIR.match(name)
-    return int(match.group(1)) if match else None
-
-
-@dataclass(frozen=True)
-class CheckpointInfo:
-    step: int
-    name: str
-    path: str
-    committed: bool
-
-
-def list_checkpoints(root: str, storage: Optional[Storage] = None) -> list[CheckpointInfo]:
-    """Every step directory in `root`, oldest first; `committed` means `.metadata` exists.
-    Symlinks and anything not named step_NNNNNNNN are not checkpoints of this root."""
-    storage = storage or storage_for(root)
-    found = []
-    for name in storage.list_dir(root):
-        step = parse_step(name)
-        path = storage.join(root, name)
-        if step is None or not storage.is_dir(path):
-            continue
-        committed = storage.exists(storage.join(path, METADATA_FILE))
-        found.append(CheckpointInfo(step, name, path, committed))
-    return sorted(found, key=lambda c: c.step)
-
-
-def read_latest_marker(root: str, storage: Optional[Storage] = None) -> Optional[str]:
-    storage = storage or storage_for(root)
-    marker = storage.join(root, LATEST_FILE)
-    if not storage.exists(marker):
-        return None
-    return storage.read_bytes(marker).decode().strip() or None
-
-
-def latest_checkpoint(root: str) -> Optional[CheckpointInfo]:
-    """The checkpoint `latest` names if it is committed, else the newest committed one."""
-    storage = storage_for(root)
-    committed = [c for c in list_checkpoints(root, storage) if c.committed]
-    named = read_latest_marker(root, storage)
-    for info in committed:
-        if info.name == named:
-            return info
-    if named is not None:
-        log.warning("%s: 'latest' names %r, which is not a committed checkpoint; using the newest committed", root, named)
-    return committed[-1] if committed else None
-
-
 def load(
     state_dict: dict[str, Any], path: str, *, verify: bool = False, trusted: bool = False, process_group=None,
     no_dist: bool = False, checksums: bool = True,
@@ -272,14 +204,14 @@ def cleanup(root: str, dry_run: bool = False) -> list[str]:
         what = "is a file, not a checkpoint root" if storage.exists(root) else "no such checkpoint root"
         raise CheckpointError(f"cleanup: {root!r}: {what}")
     uploads = [u for found in uploads_left_open(storage.open_uploads(root), root=root).values() for u in found]
-    leftovers = [storage.join(root, name) for name in storage.list_dir(root) if _TEMP_FILE.match(name)]
+    leftovers = [storage.join(root, name) for name in storage.list_dir(root) if is_temp_file(name)]
     for info in list_checkpoints(root, storage):
         names = storage.list_dir(info.path)
         if info.committed:
-            leftovers += [storage.join(info.path, n) for n in names if _TEMP_FILE.match(n)]
+            leftovers += [storage.join(info.path, n) for n in names if is_temp_file(n)]
             leftovers += [storage.join(info.path, n) for n in unreferenced_files(info.path, names)]
             continue
-        foreign = [n for n in names if not (is_data_file(n) or _TEMP_FILE.match(n) or SIDECAR_NAME.match(n))
+        foreign = [n for n in names if not (is_data_file(n) or is_temp_file(n) or SIDECAR_NAME.match(n))
                    or storage.is_dir(storage.join(info.path, n))]
         if foreign:
             log.warning("cleanup: keeping %s: it holds %s, which a save does not write", info.path, ", ".join(foreign[:3]))

@@ -15,13 +15,23 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Protocol
 
 from ..errors import CheckpointError, PartialLoadError
-from .load import NOT_CHANGED, PARTLY_LOADED, CheckpointInfo, damage_of, load, resume_order
-from ..save.ranks import RankGroup
+from .load import NOT_CHANGED, PARTLY_LOADED, damage_of, load, resume_order
+from ..layout import CheckpointInfo
 
 log = logging.getLogger("asyncckpt")
+
+
+class Ranks(Protocol):
+    """What resuming needs of the ranks (the checkpointer's RankGroup): the process group loads
+    go through, and the coordinator's verdict on a checkpoint told to every rank."""
+
+    pg: Any
+    is_coordinator: bool
+
+    def broadcast(self, obj: Any) -> Any: ...
 
 
 @dataclass(frozen=True)
@@ -43,7 +53,7 @@ class ResumeReport:
 
 
 def resume(
-    state_dict: dict[str, Any], root: str, group: RankGroup, *, trusted: bool, strict: bool, checksums: bool
+    state_dict: dict[str, Any], root: str, group: Ranks, *, trusted: bool, strict: bool, checksums: bool
 ) -> Optional[ResumeReport]:
     """Load the newest committed checkpoint of `root` that loads into `state_dict` (None: there
     is none). `strict`: only the one `latest` names, its failure raised as it is."""

@@ -20,7 +20,8 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from ..errors import CheckpointError
-from ..formats import Sidecar, is_safetensors_file
+from ..formats import Sidecar
+from ..layout import METADATA_FILE, is_safetensors_file
 from .byte_sources import LocalFiles, ObjectRanges
 from .reader import ItemRead, fetch_items, place_items
 from .safety import (
@@ -32,7 +33,6 @@ from .verify import UNCHECKED_HINT, find_sidecar, read_sidecar, sidecar_belongs_
 
 log = logging.getLogger(__name__)
 
-METADATA_FILE = ".metadata"
 
 
 def read_metadata(path: str, *, trusted: bool = False, name: str = METADATA_FILE) -> Metadata:

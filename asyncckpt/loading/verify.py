@@ -17,7 +17,8 @@ from typing import Callable, Iterator, Optional
 from torch.distributed.checkpoint.metadata import Metadata
 
 from ..errors import CheckpointError
-from ..formats import CHECKSUMS_FILE, SIDECAR_NAME, Sidecar, decode_checksums, sidecar_file
+from ..formats import Sidecar, decode_checksums
+from ..layout import CHECKSUMS_FILE, SIDECAR_NAME, sidecar_file
 from .safety import check_relative_path
 from ..storage import Storage
 

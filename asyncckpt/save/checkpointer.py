@@ -15,25 +15,24 @@ from typing import Any, Callable, Optional
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-from . import at_exit
-from .commit import RankOutcome, SaveTarget, finish_save
 from ..config import CheckpointConfig
 from ..errors import CheckpointError
-from ..formats import new_file_tag
-from ..loading.load import METADATA_FILE, step_dir_name
-from .incremental import Continuation
-from .planning import Planning
-from .ranks import RankGroup, finalize_bound_s
-from .inflight import InFlightSave
-from .job_lock import FolderLocks, parent_folder
-from .rank_worker import RankWorker
-from ..report import SaveReport, publish
+from ..layout import METADATA_FILE, new_file_tag, step_dir_name
 from ..loading.resume import ResumeReport, resume
-from .retention import Janitor, discard_uncommitted
-from ..loading.safety import refused_globals, refused_objects_text
 from ..protocol import CACHE_SLOTS
-from .snapshot import Snapshot, copies_warning, take_snapshot
+from ..report import SaveReport, publish
 from ..storage import storage_for
+from . import at_exit
+from .commit import RankOutcome, SaveTarget, finish_save
+from .guard import GuardHandles, guard_calls
+from .incremental import Continuation
+from .inflight import InFlightSave
+from .job_lock import FolderLocks, parent_folder, take_root
+from .planning import Planning
+from .rank_worker import RankWorker
+from .ranks import RankGroup, finalize_bound_s
+from .retention import Janitor, discard_uncommitted
+from .snapshot import SaveWarnings, take_snapshot
 
 log = logging.getLogger("asyncckpt")
 
@@ -72,14 +71,13 @@ class AsyncCheckpointer:
         self._in_flight: Optional[InFlightSave] = None
         self._committed: list[SaveReport] = []
         self._closed = False
-        self._warned_copies = False
-        self._warned_refused: set[str] = set()  # entries already named as refused by weights_only loading
+        self._warnings = SaveWarnings()
         self.resume_report: Optional[ResumeReport] = None  # what load_latest resumed from, what it skipped
         self._janitor = Janitor()  # retention, after each commit's verdict
         self._incremental = Continuation(config.incremental, self.rank)
         self._folders = FolderLocks()  # the root and the folders of explicit directories, held by the coordinator
         if self.root is not None:
-            self._take_root()
+            take_root(self._folders, self.root, self._group, self._config.fsync)
         try:
             self._worker = RankWorker(config, self.rank)  # starts now, so the first save does not wait for it
         except BaseException:
@@ -173,8 +171,7 @@ class AsyncCheckpointer:
         )
         try:
             snapshot = take_snapshot(planned)
-            self._warn_about_copies(snapshot)
-            self._warn_about_refused_objects(snapshot)
+            self._warnings.about(snapshot)
             self._worker.ensure_alive()
             self._worker.send(flight, snapshot, bases, cache_slot)
         except Exception as exc:  # e.g. an entry that cannot be resolved or shared
@@ -214,7 +211,7 @@ class AsyncCheckpointer:
             raise CheckpointError("prepare failed: " + "; ".join(f"rank {r}: {p}" for r, p in enumerate(causes) if p))
         planned = self._planning.build(local, self._group) if changed else self._planning.reuse(local)
         snapshot = take_snapshot(planned)
-        self._warn_about_copies(snapshot)
+        self._warnings.about(snapshot)
         self._worker.ensure_alive()
         self._worker.prepare(snapshot)
 
@@ -229,21 +226,10 @@ class AsyncCheckpointer:
             discard_uncommitted(storage_for(flight.step_dir), flight.step_dir, flight.file_tag, flight.owns_dir)
             raise CheckpointError(f"rank {self.rank} {flight.label}: {flight.error}")
 
-    def guard(self, *owners: torch.optim.Optimizer | torch.nn.Module) -> "GuardHandles":
-        """Lazy staging: make the calls that change the saved tensors wait for staging first.
-        An optimizer: `step()` waits (the parameters, its state, its step hooks). A module:
-        its `forward` waits (BatchNorm running statistics and every buffer a forward changes, in
-        it or its submodules). Tensors changed anywhere else (an EMA updated by your own code, an
-        in-place edit) are yours to guard with `wait_staged()`. Returns handles: `.remove()` undoes it."""
-        handles = []
-        for owner in owners:
-            if isinstance(owner, torch.optim.Optimizer):
-                handles.append(owner.register_step_pre_hook(lambda *_: self.wait_staged()))
-            elif isinstance(owner, torch.nn.Module):
-                handles.append(owner.register_forward_pre_hook(lambda *_: self.wait_staged()))
-            else:
-                raise TypeError(f"guard takes optimizers and modules, not {type(owner).__name__}")
-        return GuardHandles(handles)
+    def guard(self, *owners: torch.optim.Optimizer | torch.nn.Module) -> GuardHandles:
+        """Lazy staging: `optimizer.step()` and `module.forward` wait for staging first (see
+        guard.py for exactly what that covers). Returns handles: `.remove()` undoes it."""
+        return guard_calls(owners, self.wait_staged)
 
     def finalize(self, blocking: bool = False) -> list[SaveReport]:
         """Commit the in-flight save if its writes ended on every rank (or, blocking, once they
@@ -398,60 +384,9 @@ class AsyncCheckpointer:
             raise problem
         raise CheckpointError(f"{label} not started: {causes}")
 
-    def _take_root(self) -> None:
-        """The coordinator takes the root for the job; every rank raises what it could not do."""
-        problem = None
-        if self._group.is_coordinator:
-            try:
-                self._folders.take(self.root, self._config.fsync, f"checkpoint root {self.root!r}")
-            except CheckpointError as exc:
-                problem = str(exc)
-            except Exception as exc:  # every rank must reach the broadcast, whatever went wrong here
-                problem = f"checkpoint root {self.root!r}: {type(exc).__name__}: {exc}"
-        problem = self._group.broadcast(problem)
-        if problem is not None:
-            self._folders.release()
-            raise CheckpointError(problem if self._group.size == 1 else f"rank {self.rank}: {problem}")
-
-    def _warn_about_copies(self, snapshot: Snapshot) -> None:
-        """Once: tensors that cannot be shared in place cost a copy on every save."""
-        message = copies_warning(snapshot)
-        if message and not self._warned_copies:
-            self._warned_copies = True
-            log.warning(message)
-
-    def _warn_about_refused_objects(self, snapshot: Snapshot) -> None:
-        """Once per entry: objects that loading refuses by default would otherwise be found only
-        at resume. Their pickles are scanned, never unpickled (tensors are not pickled)."""
-        refused = {}
-        for pos, data in snapshot.objects.items():
-            fqn = snapshot.items[pos].index.fqn
-            if fqn not in self._warned_refused and (found := refused_globals(data)):
-                refused[fqn] = found
-        if refused:
-            self._warned_refused.update(refused)
-            log.warning(
-                "%d state entries are saved as objects that loading refuses by default (weights_only=True): %s. "
-                "Resuming will need trusted=True (load_latest, asyncckpt.load; Lightning: AsyncCheckpointIO(trusted=True)), "
-                "only for checkpoints you trust; or keep these entries as tensors or plain Python values "
-                "(numbers, strings, lists, dicts)", len(refused), refused_objects_text(refused),
-            )
-
     def _check_open(self) -> None:
         if self._closed:
             raise CheckpointError("this AsyncCheckpointer is closed")
-
-
-class GuardHandles:
-    """The hooks `guard` registered; `remove()` takes them all off."""
-
-    def __init__(self, handles: list) -> None:
-        self.handles = handles
-
-    def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-        self.handles = []
 
 
 def _is_dir_or_unknown(storage, path: str) -> bool:

@@ -16,7 +16,7 @@ import torch.multiprocessing as tmp
 from multiprocessing.reduction import ForkingPickler
 
 from ..errors import CheckpointTimeoutError, WorkerDiedError
-from ..protocol import Ready, SaveFailed, SaveRequest, Shutdown, WorkerSettings
+from ..protocol import WORKER_ENTRY, Ready, SaveFailed, SaveRequest, Shutdown, WorkerSettings, run_worker
 
 log = logging.getLogger(__name__)
 
@@ -39,12 +39,10 @@ class WorkerClient:
 
     # lifecycle -----------------------------------------------------------------------------
     def start(self) -> None:
-        from asyncckpt_worker.main import run  # the one place the trainer names the worker's entry point
-
         ctx = tmp.get_context("spawn")
         parent_conn, child_conn = ctx.Pipe(duplex=True)
         process = ctx.Process(
-            target=run, args=(child_conn, self.settings), name=f"asyncckpt-worker-{self.settings.rank}", daemon=True
+            target=run_worker, args=(WORKER_ENTRY, child_conn, self.settings), name=f"asyncckpt-worker-{self.settings.rank}", daemon=True
         )
         with _spawn_lock, _main_module_hidden():
             process.start()

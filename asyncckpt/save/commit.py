@@ -22,8 +22,9 @@ from typing import Optional
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-from ..formats import ItemChecksum, encode_checksums, sidecar_file
-from ..loading.load import LATEST_FILE, METADATA_FILE
+from ..formats import ItemChecksum, encode_checksums
+from ..layout import sidecar_file
+from ..layout import LATEST_FILE, METADATA_FILE
 from ..protocol import ItemWritten, WriteDone
 from .ranks import RankGroup
 from .retention import Janitor, Tidy, discard_uncommitted

@@ -29,11 +29,11 @@ from dataclasses import asdict, dataclass, replace
 from typing import Optional, Union
 
 from ..errors import CheckpointError
+from ..layout import LOCK_FILE
 from ..storage import Storage, is_remote, storage_for
 
 log = logging.getLogger(__name__)
 
-LOCK_FILE = ".asyncckpt.lock"
 LEASE_TTL_S = 60.0  # a lease its job has not renewed for this long is free
 LEASE_RENEW_S = 15.0  # how often a running job renews its leases
 LOCK_WAIT_S = 5.0  # a lock file another process is just writing or removing: how long to try again
@@ -348,3 +348,20 @@ class _Lease:
                 self._renew()
             except OSError as exc:
                 log.warning("renewing %s: %s", self.path, exc)
+
+
+def take_root(folders: FolderLocks, root: str, group, fsync: bool) -> None:
+    """The coordinator takes `root` for the job (into `folders`) and tells the others; every rank
+    raises what it could not do, naming the holder."""
+    problem = None
+    if group.is_coordinator:
+        try:
+            folders.take(root, fsync, f"checkpoint root {root!r}")
+        except CheckpointError as exc:
+            problem = str(exc)
+        except Exception as exc:  # every rank must reach the broadcast, whatever went wrong here
+            problem = f"checkpoint root {root!r}: {type(exc).__name__}: {exc}"
+    problem = group.broadcast(problem)
+    if problem is not None:
+        folders.release()
+        raise CheckpointError(problem if group.size == 1 else f"rank {group.rank}: {problem}")

@@ -17,7 +17,7 @@ from typing import Any, Optional
 import torch
 from torch.distributed.tensor import DTensor
 
-from .snapshot import shm_bytes
+from .sharing import shm_bytes
 from .subclasses import local_tensor
 
 _COPYABLE = (torch.Tensor, torch.nn.Parameter, DTensor)

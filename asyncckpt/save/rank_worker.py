@@ -20,7 +20,8 @@ from ..config import CheckpointConfig, write_options
 from ..errors import CheckpointTimeoutError, WorkerDiedError
 from .inflight import InFlightSave
 from ..protocol import CACHE_SLOTS, IncrementalBase, Prepared, SaveFailed, SaveRequest, Staged, WorkerSettings, WriteDone
-from .snapshot import Snapshot, WorkerHolds, tensors_to_send
+from .snapshot import Snapshot
+from .holds import WorkerHolds, tensors_to_send
 
 log = logging.getLogger("asyncckpt")
 

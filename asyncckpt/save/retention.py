@@ -18,8 +18,10 @@ from dataclasses import dataclass
 from typing import Iterator, Optional
 
 from ..errors import CheckpointError, CheckpointTimeoutError
-from ..formats import SIDECAR_NAME, is_data_file
-from ..loading.load import METADATA_FILE, list_checkpoints, read_latest_marker, read_metadata, unreferenced_files, uploads_left_open
+from ..layout import SIDECAR_NAME, is_data_file
+from ..loading.load import unreferenced_files, uploads_left_open
+from ..loading.safe_reader import read_metadata
+from ..layout import METADATA_FILE, list_checkpoints, read_latest_marker
 from ..storage import Storage, storage_for
 
 log = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ import time
 from typing import Any, Optional
 
 from ..errors import CheckpointError
-from . import OpenUpload, Storage, Versioned, WriteHandle, unique_suffix
+from .base import OpenUpload, Storage, Versioned, WriteHandle, unique_suffix
 
 # msc sends a file at or below the profile's multipart threshold (64 MiB by default) as one PUT of
 # the whole file read into memory; such uploads share this budget, so together they never hold

@@ -108,7 +108,7 @@ class Checkpointer(Saver):
         self.ckpt.finalize()
 
     def path(self, step: int) -> str:
-        from asyncckpt.loading.load import step_dir_name
+        from asyncckpt.layout import step_dir_name
 
         return os.path.join(self.workdir, step_dir_name(step))
 

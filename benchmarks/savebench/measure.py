@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import psutil
 import torch
@@ -19,8 +19,6 @@ from pss_sampler import pss_bytes
 
 from .common import BENCH_DIR
 
-if TYPE_CHECKING:
-    from .methods import Method
 
 
 def family_pss(exclude: frozenset[int] = frozenset()) -> int:
@@ -183,11 +181,6 @@ def remove(path: str) -> None:
         shutil.rmtree(path, ignore_errors=True)
     elif os.path.exists(path):
         os.remove(path)
-
-
-def remove_output(method: "Method", step: int) -> None:
-    """Delete what one save wrote (the disk is shared; outputs never pile up)."""
-    method.discard(step)
 
 
 def short_error(exc: BaseException) -> str:

@@ -60,7 +60,7 @@ class AsyncCkpt(Method):
         return report
 
     def output_of(self, step: int) -> str:
-        from asyncckpt.loading.load import step_dir_name
+        from asyncckpt.layout import step_dir_name
 
         return os.path.join(self.workdir, step_dir_name(step))
 
@@ -122,7 +122,7 @@ class AsyncCkptS3(AsyncCkpt):
         return ""  # nothing on the local disk; see output_size / discard
 
     def _step_keys(self, step: int) -> list[tuple[str, int]]:
-        from asyncckpt.loading.load import step_dir_name
+        from asyncckpt.layout import step_dir_name
 
         prefix = f"{self.PREFIX}/{step_dir_name(step)}/"
         pages = self.server.s3_client().get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix)

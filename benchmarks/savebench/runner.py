@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from .common import ALL_METHODS, MiB, Progress, Skip
-from .measure import ComputeLoop, PeakMemory, PeakSampler, family_pss, remove, remove_output, short_error
+from .measure import ComputeLoop, PeakMemory, PeakSampler, family_pss, remove, short_error
 from .methods import DcpAsync, DcpSave, Memcpy, Method, RawWrite, TorchSave
 from .ours import AsyncCkpt, AsyncCkptS3
 from .state import describe_state, mutate
@@ -230,7 +230,7 @@ class Runner:
         result.first = self._timed_save(method, self.next_step())
         method.check_first(result.first.step)
         result.output_bytes = method.output_size(result.first.step)
-        remove_output(method, result.first.step)
+        method.discard(result.first.step)
         self.progress.saved()
         for i in range(self.settings.saves):
             self.progress.update(label=f"{method.name} save {i + 1}/{self.settings.saves}")
@@ -238,7 +238,7 @@ class Runner:
             self.log(f"{method.name}: save {i + 1}/{self.settings.saves} blocked {sample.blocked_s:.3f}s "
                      f"durable {sample.durable_s:.3f}s")
             result.steady.append(sample)
-            remove_output(method, sample.step)
+            method.discard(sample.step)
             self.progress.saved()
         result.memory = sampler.stop()
         for i in range(self.settings.interference_saves):
@@ -265,7 +265,7 @@ class Runner:
             result.first_trained = self._timed_save(method, self.next_step())
             self.log(f"{name}: first save after {self.settings.train_s:.0f}s of training blocked "
                      f"{result.first_trained.blocked_s:.3f}s (warm-up {result.warm_up_s:.3f}s)")
-            remove_output(method, result.first_trained.step)
+            method.discard(result.first_trained.step)
         except Exception as exc:
             result.add_note(f"first after training: {short_error(exc)}")
         finally:
@@ -309,7 +309,7 @@ class Runner:
                 busy.append(self.loop.step())
             method.end()
         idle += self.loop.run(self.settings.idle_steps - self.settings.idle_steps // 2)  # idle: before + after
-        remove_output(method, step)
+        method.discard(step)
         return Interference(idle, busy, method.sync)
 
     def _teardown(self, method: Method, result: MethodResult) -> None:

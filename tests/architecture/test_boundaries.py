@@ -13,7 +13,7 @@ import sys
 import torch
 
 from asyncckpt import AsyncCheckpointer, CheckpointConfig
-from asyncckpt.formats import SAFETENSORS, TORCH_SAVE, data_file_name, is_data_file, new_file_tag
+from asyncckpt.layout import SAFETENSORS, TORCH_SAVE, data_file_name, is_data_file, new_file_tag
 
 
 def test_every_data_file_name_is_recognised_with_its_tag():
@@ -32,8 +32,8 @@ def test_every_data_file_name_is_recognised_with_its_tag():
 
 
 # the worker loads only the worker side -----------------------------------------------------------
-WORKER_SIDE = {"asyncckpt", "asyncckpt.errors", "asyncckpt.formats", "asyncckpt.msc_storage", "asyncckpt.protocol",
-               "asyncckpt.storage"}
+WORKER_SIDE = {"asyncckpt", "asyncckpt.errors", "asyncckpt.formats", "asyncckpt.layout", "asyncckpt.protocol",
+               "asyncckpt.storage", "asyncckpt.storage.base", "asyncckpt.storage.local", "asyncckpt.storage.msc"}
 
 IMPORT_LIKE_THE_WORKER = """
 import atexit, json, sys
@@ -45,7 +45,7 @@ def recording(func, *args, **kwargs):
     return register(func, *args, **kwargs)
 
 atexit.register = recording
-import asyncckpt_worker.main, asyncckpt.msc_storage  # its entry point; the object-store backend it may load
+import asyncckpt_worker.main, asyncckpt.storage.msc  # its entry point; the object-store backend it may load
 print(json.dumps({"modules": [m for m in sys.modules if m.partition(".")[0] == "asyncckpt"], "atexit": registered,
                   "dcp": "torch.distributed.checkpoint" in sys.modules}))
 """
@@ -54,7 +54,7 @@ print(json.dumps({"modules": [m for m in sys.modules if m.partition(".")[0] == "
 def test_importing_the_worker_loads_no_trainer_module_and_no_exit_handler():
     """The worker imports asyncckpt.protocol/formats/storage; that must not run the trainer side
     (checkpointer, client, planning, commit, loading, safety...) nor register its exit handler,
-    nor load torch.distributed.checkpoint (it pulls DTensor and sympy: about a second more of
+    nor load torch.distributed.checkpoint (tests/architecture/test_imports.py checks the same statically) (it pulls DTensor and sympy: about a second more of
     every worker's start-up, which a first save may wait for)."""
     done = subprocess.run([sys.executable, "-c", IMPORT_LIKE_THE_WORKER], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
@@ -83,7 +83,7 @@ def test_the_spawned_worker_loads_no_trainer_module(tmp_path, capfd):
     assert len(lines) == 1, lines
     assert "asyncckpt-worker[0] DEBUG torch.distributed.checkpoint loaded: False" in err
     modules = set(lines[0].split(", "))
-    assert {"asyncckpt.protocol", "asyncckpt.formats", "asyncckpt.storage"} <= modules
+    assert {"asyncckpt.protocol", "asyncckpt.formats", "asyncckpt.layout", "asyncckpt.storage"} <= modules
     assert modules <= WORKER_SIDE, sorted(modules - WORKER_SIDE)
 
 
@@ -93,7 +93,7 @@ def test_public_names_resolve_and_are_listed():
     for name in asyncckpt.__all__:
         assert getattr(asyncckpt, name) is not None
         assert name in dir(asyncckpt)
-    assert asyncckpt.AsyncCheckpointer.__module__ == "asyncckpt.checkpointer"
+    assert asyncckpt.AsyncCheckpointer.__module__ == "asyncckpt.save.checkpointer"
     try:
         asyncckpt.no_such_name
     except AttributeError as exc:

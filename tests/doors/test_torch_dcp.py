@@ -29,7 +29,8 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 import asyncckpt
 from asyncckpt import CheckpointConfig, CheckpointError, torch_dcp
 from asyncckpt.save import client
-from asyncckpt.save.job_lock import LOCK_FILE, FolderLocks
+from asyncckpt.save.job_lock import FolderLocks
+from asyncckpt.layout import LOCK_FILE
 from multirank import run_ranks
 
 ROWS, COLS = 8, 12

@@ -18,8 +18,9 @@ import asyncckpt.loading.archive as archive
 import asyncckpt.loading.reader as reader
 from asyncckpt import AsyncCheckpointer, CheckpointConfig, CheckpointError, PartialLoadError, load
 from asyncckpt.loading.byte_sources import LocalFiles, ObjectRanges
-from asyncckpt.formats import SAFETENSORS_DTYPES, is_data_file
-from asyncckpt.loading.load import read_metadata
+from asyncckpt.formats import SAFETENSORS_DTYPES
+from asyncckpt.layout import is_data_file
+from asyncckpt.loading.safe_reader import read_metadata
 from asyncckpt.storage.msc import MscStorage
 from asyncckpt.testing.s3_server import BUCKET
 

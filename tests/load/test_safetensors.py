@@ -15,7 +15,7 @@ from safetensors import safe_open
 from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader
 
 from asyncckpt import AsyncCheckpointer, CheckpointConfig, load
-from asyncckpt.loading.load import SafeLoadPlanner, SafeReader
+from asyncckpt.loading.safe_reader import SafeLoadPlanner, SafeReader
 from asyncckpt.loading.load import verify_checkpoint
 from conftest import assert_state_equal, clone_state, step_path, zeros_like_state
 

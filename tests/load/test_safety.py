@@ -14,7 +14,7 @@ import torch.distributed.checkpoint as dcp
 
 from asyncckpt import AsyncCheckpointer, CheckpointConfig, CheckpointError, PartialLoadError, load, verify_checkpoint
 from asyncckpt.cli.commands import main as cli_main
-from asyncckpt.loading.load import read_metadata
+from asyncckpt.loading.safe_reader import read_metadata
 from asyncckpt.storage import LocalStorage
 from multirank import run_ranks
 from conftest import Payload, assert_state_equal, clone_state, make_model_and_optimizer, make_state, rewrite_metadata, step_path, zeros_like_state

@@ -18,7 +18,7 @@ import torch
 from asyncckpt import AsyncCheckpointer, CheckpointConfig, CheckpointError, load, verify_checkpoint
 from asyncckpt.cli import commands as cli
 from asyncckpt import storage as storage_module
-from asyncckpt.loading.load import list_checkpoints, read_latest_marker
+from asyncckpt.layout import list_checkpoints, read_latest_marker
 from asyncckpt.storage import LocalStorage, is_remote
 from conftest import assert_state_equal, clone_state, zeros_like_state
 

@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from asyncckpt import AsyncCheckpointer, CheckpointConfig, cleanup, latest_checkpoint, load, verify_checkpoint
-from asyncckpt.loading.load import list_checkpoints, read_latest_marker
+from asyncckpt.layout import list_checkpoints, read_latest_marker
 from conftest import REPO, stress_size, wait_gone
 
 ITERATIONS = stress_size("CRASHES", ci=8, full=20)

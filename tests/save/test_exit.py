@@ -7,7 +7,7 @@ import subprocess
 import sys
 import textwrap
 
-from asyncckpt.loading.load import list_checkpoints, read_latest_marker
+from asyncckpt.layout import list_checkpoints, read_latest_marker
 from conftest import REPO
 
 

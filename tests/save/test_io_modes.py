@@ -13,7 +13,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from asyncckpt import AsyncCheckpointer, CheckpointConfig, CheckpointError, latest_checkpoint, verify_checkpoint
-from asyncckpt.loading.load import read_latest_marker
+from asyncckpt.layout import read_latest_marker
 from conftest import assert_state_equal, clone_state, make_model_and_optimizer, make_state, step_path, zeros_like_state
 
 MODES = ["thread", "process"]

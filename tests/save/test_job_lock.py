@@ -20,7 +20,8 @@ import torch.distributed.checkpoint as dcp
 from asyncckpt import AsyncCheckpointer, CheckpointConfig, CheckpointError, cleanup, list_checkpoints
 from asyncckpt.save import job_lock
 from asyncckpt.cli.commands import main as cli_main
-from asyncckpt.save.job_lock import LOCK_FILE, FolderLocks, Holder
+from asyncckpt.save.job_lock import FolderLocks, Holder
+from asyncckpt.layout import LOCK_FILE
 from asyncckpt.storage import storage_for
 from conftest import REPO, wait_gone
 from multirank import run_ranks

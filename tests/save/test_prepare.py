@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from asyncckpt import AsyncCheckpointer, CheckpointError, load
-from asyncckpt.save import snapshot
+from asyncckpt.save import sharing
 from conftest import assert_state_equal, clone_state, step_path, zeros_like_state
 from multirank import run_ranks
 
@@ -78,7 +78,7 @@ def test_a_worker_killed_after_prepare_costs_nothing_but_the_preparation(ckpt_ro
 def test_prepare_without_room_in_shared_memory_says_so_and_changes_nothing(ckpt_root, monkeypatch):
     state = make_state()
     pointers = [t.untyped_storage().data_ptr() for t in state["model"].values()]
-    monkeypatch.setattr(snapshot, "shm_free_bytes", lambda path=snapshot.SHM_DIR: 4096)
+    monkeypatch.setattr(sharing, "shm_free_bytes", lambda path=sharing.SHM_DIR: 4096)
     with AsyncCheckpointer(ckpt_root) as ckpt:
         with pytest.raises(CheckpointError, match="not enough shared memory"):
             ckpt.prepare(state)

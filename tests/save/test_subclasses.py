@@ -1,6 +1,6 @@
 """Tensor subclasses in a saved state: each kind is saved as the plain values DCP's metadata
 describes, or refused with an error naming the entry; a refused save leaves nothing committed.
-(DTensors: tests/test_torch_dcp.py and test_multirank.py, with raw ops failing as on CUDA.)"""
+(DTensors: tests/doors/test_torch_dcp.py and tests/save/test_multirank.py, with raw ops failing as on CUDA.)"""
 
 from __future__ import annotations
 

@@ -1,0 +1,132 @@
+"""Names on disk, in one place: step directories, `latest`, `.metadata`, data files, checksum
+sidecars; and the listing of a root's checkpoints by those names. The worker writes data files
+by these names too, so this module imports nothing of the trainer side."""
+
+from __future__ import annotations
+
+import logging
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Optional
+
+from .storage import Storage, storage_for
+
+log = logging.getLogger(__name__)
+
+METADATA_FILE = ".metadata"  # DCP's: written last, its presence is the commit
+CHECKSUMS_FILE = ".checksums.json"  # the sidecar of a save into a fresh step directory
+SIDECAR_NAME = re.compile(r"^\.checksums(\.[0-9a-f]{32})?\.json$")  # either kind of sidecar
+TORCH_SAVE = "torch_save"
+SAFETENSORS = "safetensors"
+TORCH_SAVE_SUFFIX = ".distcp"
+SAFETENSORS_SUFFIX = ".safetensors"
+LOCK_FILE = ".asyncckpt.lock"  # in a root (or a folder the doors save into): which job holds it
+
+
+# data file names -------------------------------------------------------------------------------
+# A save's data files are `__{rank}_{n}{tag}.distcp` (torch_save) or `.safetensors`. The tag is
+# empty, or "." and 8 hex digits when the save replaces a committed checkpoint of the same step:
+# its files then get other names, and the old checkpoint stays whole until the new one commits.
+_DATA_FILE = re.compile(
+    rf"^__\d+_\d+(?P<tag>\.[0-9a-f]{{8}})?({re.escape(TORCH_SAVE_SUFFIX)}|{re.escape(SAFETENSORS_SUFFIX)})$"
+)
+
+
+def data_file_name(rank: int, n: int, fmt: str = TORCH_SAVE, tag: str = "") -> str:
+    """The name of data file `n` of `rank` in format `fmt`."""
+    return f"__{rank}_{n}{tag}" + (SAFETENSORS_SUFFIX if fmt == SAFETENSORS else TORCH_SAVE_SUFFIX)
+
+
+def new_file_tag() -> str:
+    """A fresh tag for the data files of a save that replaces a committed checkpoint."""
+    return f".{uuid.uuid4().hex[:8]}"
+
+
+def is_data_file(name: str, tag: Optional[str] = None) -> bool:
+    """Whether `name` is a data file a save writes (and, when `tag` is given, one with that tag)."""
+    match = _DATA_FILE.match(name)
+    return match is not None and (tag is None or (match.group("tag") or "") == tag)
+
+
+def is_safetensors_file(name: str) -> bool:
+    """Whether a data file holds raw tensor bytes (safetensors) rather than torch.save archives."""
+    return name.endswith(SAFETENSORS_SUFFIX)
+
+
+def sidecar_file(save_id: Optional[str]) -> str:
+    """The sidecar name of a save that replaces a committed checkpoint of its step: tied to the
+    save, so the committed checkpoint's own sidecar stays in place until the new `.metadata` is."""
+    return CHECKSUMS_FILE if save_id is None else f".checksums.{save_id}.json"
+
+
+# step directories and `latest` --------------------------------------------------------------------
+LATEST_FILE = "latest"
+_STEP_DIR = re.compile(r"^step_(\d{8,})$")
+# write_atomic's temp files (stock DCP: .metadata.tmp) and prepare_dir's probes
+_TEMP_FILE = re.compile(
+    r"^\.(\.metadata|\.checksums(\.[0-9a-f]{32})?\.json|latest)\.tmp-[A-Za-z0-9-]+$|^\.metadata\.tmp$|^\.asyncckpt-probe-[\w-]+$"
+)
+
+
+def is_temp_file(name: str) -> bool:
+    """A temp file of an atomic write (stock DCP's `.metadata.tmp` too) or a writability probe."""
+    return bool(_TEMP_FILE.match(name))
+
+
+def is_checkpoint_file(name: str) -> bool:
+    """Whether a file of this name is one a save writes into a checkpoint directory."""
+    return name == METADATA_FILE or bool(SIDECAR_NAME.match(name)) or is_data_file(name) or is_temp_file(name)
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def parse_step(name: str) -> Optional[int]:
+    match = _STEP_DIR.match(name)
+    return int(match.group(1)) if match else None
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    step: int
+    name: str
+    path: str
+    committed: bool
+
+
+def list_checkpoints(root: str, storage: Optional[Storage] = None) -> list[CheckpointInfo]:
+    """Every step directory in `root`, oldest first; `committed` means `.metadata` exists.
+    Symlinks and anything not named step_NNNNNNNN are not checkpoints of this root."""
+    storage = storage or storage_for(root)
+    found = []
+    for name in storage.list_dir(root):
+        step = parse_step(name)
+        path = storage.join(root, name)
+        if step is None or not storage.is_dir(path):
+            continue
+        committed = storage.exists(storage.join(path, METADATA_FILE))
+        found.append(CheckpointInfo(step, name, path, committed))
+    return sorted(found, key=lambda c: c.step)
+
+
+def read_latest_marker(root: str, storage: Optional[Storage] = None) -> Optional[str]:
+    storage = storage or storage_for(root)
+    marker = storage.join(root, LATEST_FILE)
+    if not storage.exists(marker):
+        return None
+    return storage.read_bytes(marker).decode().strip() or None
+
+
+def latest_checkpoint(root: str) -> Optional[CheckpointInfo]:
+    """The checkpoint `latest` names if it is committed, else the newest committed one."""
+    storage = storage_for(root)
+    committed = [c for c in list_checkpoints(root, storage) if c.committed]
+    named = read_latest_marker(root, storage)
+    for info in committed:
+        if info.name == named:
+            return info
+    if named is not None:
+        log.warning("%s: 'latest' names %r, which is not a committed checkpoint; using the newest committed", root, named)
+    return committed[-1] if committed else None

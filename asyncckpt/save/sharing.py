@@ -1,0 +1,174 @@
+"""Sharing CPU tensors with the worker: how much /dev/shm and how many descriptors a save's
+tensors need (checked before anything moves: a full tmpfs is a SIGBUS, not an error), and moving
+them into shared memory, in place where torch allocated them, else as a copy each save."""
+
+from __future__ import annotations
+
+import logging
+import os
+import resource
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.multiprocessing
+
+from ..errors import CheckpointError
+from .subclasses import local_tensor
+
+log = logging.getLogger(__name__)
+
+SHM_DIR = "/dev/shm"  # where torch puts shared CPU storages (shm_open), a tmpfs on Linux
+SHM_HEADROOM_BYTES = 1 << 20  # left free for tmpfs bookkeeping and other users
+_PAGE = 4096
+FD_HEADROOM = 64  # descriptors kept spare beyond those the shared storages will hold
+
+
+@dataclass
+class SharingNeeds:
+    """What moving a save's tensors into shared memory creates: page-rounded bytes of /dev/shm
+    and new segments (each holds a file descriptor)."""
+
+    nbytes: int = 0
+    segments: int = 0
+
+
+def shared_memory_needed(resolved) -> SharingNeeds:
+    """Count the segments sharing these (tensor, fresh) pairs creates: a whole storage for each
+    one moved in place (once however many views it has), else a copy of the tensor's bytes."""
+    needs, seen = SharingNeeds(), set()
+    for tensor, fresh in resolved:
+        tensor = local_tensor(tensor)  # a held copy's DTensor: its shard is what moves
+        if tensor.is_cuda:
+            continue
+        storage = tensor.untyped_storage()
+        if storage.is_shared():
+            continue
+        if not fresh and storage.resizable():  # moved in place
+            if storage.data_ptr() in seen:
+                continue
+            seen.add(storage.data_ptr())
+            nbytes = storage.nbytes()
+        else:
+            nbytes = tensor.numel() * tensor.element_size()
+        needs.nbytes += shm_bytes(nbytes)
+        needs.segments += 1
+    return needs
+
+
+def shm_bytes(nbytes: int) -> int:
+    """What `nbytes` take in /dev/shm: whole pages."""
+    return -(-nbytes // _PAGE) * _PAGE
+
+
+def ensure_fd_room(new_segments: int, open_fds: Optional[int] = None, limits: Optional[tuple] = None) -> None:
+    """Make room for `new_segments` more open descriptors, or raise CheckpointError.
+
+    With torch's default "file_descriptor" sharing strategy every shared CPU storage keeps a file
+    descriptor open for as long as it lives, in the trainer and again in the worker; a state of
+    more tensors than `ulimit -n` (often 1024) would otherwise fail deep inside torch. The soft
+    limit is raised toward the hard one when needed (the worker raises its own at start)."""
+    if new_segments <= 0 or torch.multiprocessing.get_sharing_strategy() != "file_descriptor":
+        return
+    if open_fds is None:
+        try:
+            open_fds = len(os.listdir("/proc/self/fd"))
+        except OSError:
+            return
+    soft, hard = limits if limits is not None else resource.getrlimit(resource.RLIMIT_NOFILE)
+    needed = open_fds + new_segments + FD_HEADROOM
+    if soft == resource.RLIM_INFINITY or needed <= soft:
+        return
+    if hard == resource.RLIM_INFINITY or needed <= hard:
+        target = needed * 2 if hard == resource.RLIM_INFINITY else min(hard, needed * 2)
+        try:
+            if limits is None:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            log.info("raised the open-file limit from %d to %d for %d shared tensors", soft, target, new_segments)
+            return
+        except (ValueError, OSError) as exc:
+            reason = f"raising the soft limit to {target} failed: {exc}"
+    else:
+        reason = f"the hard limit is {hard}"
+    raise CheckpointError(
+        f"too many tensors to share with the checkpoint worker: {new_segments} shared-memory segments "
+        f"need one open file each (here and in the worker), {open_fds} files are open and the "
+        f"open-file limit is {soft} ({reason}). Raise it (`ulimit -n {needed * 2}`, or LimitNOFILE= / "
+        f"--ulimit nofile= for services and containers), or keep fewer, larger tensors in the state."
+    )
+
+
+def shm_free_bytes(path: str = SHM_DIR) -> Optional[int]:
+    """Free bytes in the shared-memory filesystem, or None where there is none to ask."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def check_shm_space(needed: int, free: Optional[int] = None, path: str = SHM_DIR) -> None:
+    """Raise CheckpointError when `needed` bytes will not fit in `path` (free bytes from statvfs
+    unless given). Writing past a full tmpfs kills the process with SIGBUS, so fail first."""
+    if needed <= 0:
+        return
+    if free is None:
+        free = shm_free_bytes(path)
+    if free is None or needed + SHM_HEADROOM_BYTES <= free:
+        return
+    raise CheckpointError(
+        f"not enough shared memory to hand the state to the checkpoint worker: {needed} bytes "
+        f"({needed / 2**20:.1f} MiB) must move into {path}, which has {free} bytes ({free / 2**20:.1f} MiB) free "
+        f"(and {SHM_HEADROOM_BYTES >> 20} MiB is kept spare). Going on would risk SIGBUS. Enlarge {path} "
+        f"(docker/podman: --shm-size; Kubernetes: an emptyDir with medium: Memory mounted at /dev/shm; "
+        f"or remount the tmpfs with a larger size=), or save fewer bytes per process (shard the state "
+        f"over more ranks). Nothing was written."
+    )
+
+
+SHARE_THREADS = 4
+
+
+def move_into_shared_memory(resolved) -> None:
+    """Move the storages of these (tensor, fresh) pairs that can move in place into shared
+    memory, each storage once, largest first, on a few threads (most of the time is the kernel
+    allocating and zeroing tmpfs pages, which runs in parallel). One that fails is left as it
+    was: `shareable_tensor` then copies it or names the entry in its error."""
+    storages = {}
+    for tensor, fresh in resolved:
+        if tensor.is_cuda or fresh:
+            continue
+        storage = tensor.untyped_storage()
+        if not storage.is_shared() and storage.resizable():
+            storages.setdefault(storage.data_ptr(), storage)
+    if not storages:
+        return
+
+    def move(storage) -> None:
+        try:
+            storage.share_memory_()
+        except RuntimeError:
+            pass
+
+    largest_first = sorted(storages.values(), key=lambda storage: -storage.nbytes())
+    with ThreadPoolExecutor(min(SHARE_THREADS, len(largest_first)), thread_name_prefix="asyncckpt-share") as pool:
+        list(pool.map(move, largest_first))
+
+
+def shareable_tensor(tensor: torch.Tensor, fresh: bool, fqn: str) -> tuple[torch.Tensor, bool]:
+    """Return (tensor the worker can reach, whether it is a fresh copy made for this save)."""
+    if tensor.is_cuda or tensor.untyped_storage().is_shared():
+        return tensor, fresh
+    if not fresh and tensor.untyped_storage().resizable():
+        try:
+            tensor.share_memory_()
+            return tensor, False
+        except RuntimeError:
+            pass
+    try:
+        copy = torch.empty(tensor.shape, dtype=tensor.dtype).share_memory_()
+    except RuntimeError as exc:  # e.g. "Too many open files", "No space left on device"
+        raise CheckpointError(f"state entry {fqn!r} cannot be moved into shared memory ({SHM_DIR}): {exc}") from exc
+    copy.copy_(tensor)
+    return copy, True
