@@ -156,3 +156,15 @@ def test_the_checks_see_a_circle_an_upward_import_and_a_worker_import(monkeypatc
     monkeypatch.setitem(GRAPH, "asyncckpt_worker.main", GRAPH["asyncckpt_worker.main"] | {"asyncckpt.save.client"})
     with pytest.raises(AssertionError):
         test_the_worker_package_imports_only_the_worker_side_and_the_trainer_never_imports_it()
+
+
+def test_every_package_of_the_tree_is_installed():
+    """pyproject.toml lists the packages one by one: a folder left out installs without its
+    modules (a fresh `make venv` failed once when a folder was renamed)."""
+    import tomllib
+
+    with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
+        listed = set(tomllib.load(f)["tool"]["setuptools"]["packages"])
+    packages = {m for m, path in MODULES.items() if path.endswith("__init__.py") and m.partition(".")[0] in
+                ("asyncckpt", "asyncckpt_worker")}
+    assert packages == listed
