@@ -4,7 +4,9 @@ One state (savebench.state.build_state: float32/bf16 tensors of mixed sizes plus
 once per format to the same disk, then loaded in one process run, each method cold (every file
 fsynced and its pages dropped with posix_fadvise(DONTNEED)) and warm (just read once):
 
-  raw sequential read          the asyncckpt checkpoint's data files, 8 MiB reads, one thread (disk ceiling)
+  raw read, 1 thread           the asyncckpt checkpoint's data files into one buffer of their size, 8 MiB preads
+  raw read, N threads          the same on as many threads as asyncckpt.load reads with (64 MiB pieces);
+                               the faster of the two is the ceiling the ratios use
   torch.load                   a torch.save file of the state
   dcp.load (asyncckpt files)   stock dcp.load on an asyncckpt checkpoint (torch_save format)
   dcp.load (dcp.save files)    stock dcp.load on a dcp.save checkpoint
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+from concurrent.futures import ThreadPoolExecutor
 import json
 import os
 import shutil
@@ -49,6 +52,8 @@ from asyncckpt.loading.byte_sources import LocalFiles  # noqa: E402
 
 MiB = 1 << 20
 RAW_CHUNK = 8 * MiB
+RAW_PIECE = 64 * MiB
+RAW_ROWS = ("raw read, 1 thread", f"raw read, {LocalFiles.threads} threads")
 
 
 @dataclass
@@ -87,15 +92,35 @@ def empty_like_state(state: dict[str, Any]) -> dict[str, Any]:
     return target
 
 
-def raw_read(path: str) -> None:
-    buffer = bytearray(RAW_CHUNK)
-    view = memoryview(buffer)
-    for file in files_under(path):
-        if os.path.basename(file).startswith("."):
-            continue
-        with open(file, "rb", buffering=0) as f:
-            while f.readinto(view):
-                pass
+def data_files(path: str) -> list[str]:
+    return [f for f in files_under(path) if not os.path.basename(f).startswith(".")]
+
+
+def raw_read(path: str, dest: memoryview, threads: int) -> None:
+    """The fastest honest read of the checkpoint's data: every byte of its data files lands in
+    `dest` (a touched buffer of their size, as a load fills its targets), by positional reads of
+    RAW_CHUNK, in RAW_PIECE pieces spread over `threads` threads. No metadata, no checksum."""
+    pieces, at = [], 0
+    for file in data_files(path):
+        size = os.path.getsize(file)
+        pieces += [(file, offset, min(RAW_PIECE, size - offset), at + offset) for offset in range(0, size, RAW_PIECE)]
+        at += size
+
+    def read(piece: tuple[str, int, int, int]) -> None:
+        file, offset, n, to = piece
+        fd = os.open(file, os.O_RDONLY)
+        try:
+            done = 0
+            while done < n:
+                got = os.preadv(fd, [dest[to + done:to + min(n, done + RAW_CHUNK)]], offset + done)
+                if got == 0:
+                    raise OSError(f"{file}: ends at {offset + done}")
+                done += got
+        finally:
+            os.close(fd)
+
+    with ThreadPoolExecutor(max_workers=threads) as pool:
+        list(pool.map(read, pieces))
 
 
 def check_equal(target: dict[str, Any], state: dict[str, Any]) -> None:
@@ -161,8 +186,13 @@ def ratios(results: list[LoadResult]) -> dict[str, Optional[float]]:
         x, y = getattr(by[a], f"{mode}_s", None), getattr(by[b], f"{mode}_s", None)
         return None if not x or not y else x / y
 
+    fastest = {mode: min((r for r in results if r.method in RAW_ROWS and getattr(r, f"{mode}_s")),
+                         key=lambda r: getattr(r, f"{mode}_s"), default=None) for mode in ("cold", "warm")}
     return {  # the issue's acceptance figures
-        "cold: raw read time / asyncckpt.load time (>= 0.9)": ratio("raw sequential read", "asyncckpt.load", "cold"),
+        "cold: fastest raw read time / asyncckpt.load time (>= 0.9)":
+            fastest["cold"] and ratio(fastest["cold"].method, "asyncckpt.load", "cold"),
+        "warm: fastest raw read time / asyncckpt.load time (>= 0.6)":
+            fastest["warm"] and ratio(fastest["warm"].method, "asyncckpt.load", "warm"),
         "warm: dcp.load / asyncckpt.load, same files (>= 3)": ratio("dcp.load (asyncckpt files)", "asyncckpt.load", "warm"),
         "warm: dcp.load / asyncckpt.load, dcp.save files (>= 2)": ratio(
             "dcp.load (dcp.save files)", "asyncckpt.load (dcp.save files)", "warm"),
@@ -225,6 +255,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         paths["torch"] = os.path.join(root, "state.pt")
         torch.save(state, paths["torch"])
         target = empty_like_state(state)
+        raw_dest = torch.ones(sum(os.path.getsize(f) for f in data_files(paths["torch_save"])), dtype=torch.uint8)
+        raw_view = memoryview(raw_dest.numpy())
 
         def dcp_load(path: str) -> Callable[[], None]:
             return lambda: dcp.load(target, checkpoint_id=path, no_dist=True)
@@ -233,7 +265,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             return lambda: asyncckpt.load(target, path, no_dist=True)
 
         rows = [
-            ("raw sequential read", paths["torch_save"], lambda: raw_read(paths["torch_save"])),
+            (RAW_ROWS[0], paths["torch_save"], lambda: raw_read(paths["torch_save"], raw_view, 1)),
+            (RAW_ROWS[1], paths["torch_save"], lambda: raw_read(paths["torch_save"], raw_view, LocalFiles.threads)),
             ("torch.load", paths["torch"], lambda: torch.load(paths["torch"], weights_only=True)),
             ("dcp.load (asyncckpt files)", paths["torch_save"], dcp_load(paths["torch_save"])),
             ("dcp.load (dcp.save files)", paths["dcp"], dcp_load(paths["dcp"])),
@@ -259,6 +292,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                     results.append(measure(name, url, load, args.repeat, exclude=frozenset([pid])))
                     check_equal(target, state)
                     target = empty_like_state(state)
+        raw_dest = torch.ones(sum(os.path.getsize(f) for f in data_files(paths["torch_save"])), dtype=torch.uint8)
+        raw_view = memoryview(raw_dest.numpy())
         table = render(results, state_bytes)
         figures = ratios(results)
         print(f"\nload, {state_bytes / MiB:.0f} MiB state, {len(state_tensors(state))} tensors, one run, "

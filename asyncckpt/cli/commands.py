@@ -88,21 +88,18 @@ def _checkpoint(path: str) -> tuple[Storage, str]:
     return storage, path
 
 
-def _metadata(path: str, trusted: bool = False):
-    """The checkpoint's DCP metadata, read through the library's safe path (restricted unpickling
-    unless `trusted`); a refused or unreadable `.metadata` is a CliError."""
-    from ..loading.safe_reader import read_metadata
+def _open(path: str, trusted: bool = False):
+    """The checkpoint, opened once through the library's safe path (restricted unpickling of
+    `.metadata` unless `trusted`); a refused or unreadable `.metadata` is a CliError."""
+    from ..loading.opened import open_checkpoint
     from ..layout import METADATA_FILE
     from ..loading.safety import TRUST_HINT
 
     try:
-        metadata = read_metadata(path, trusted=trusted)
+        return open_checkpoint(path, trusted=trusted)
     except Exception as exc:
         message = str(exc).replace(TRUST_HINT, CLI_TRUST_HINT)
         raise CliError(f"{path}: cannot read {METADATA_FILE}: {message}", EXIT_UNREADABLE) from None
-    if not hasattr(metadata, "state_dict_metadata"):
-        raise CliError(f"{path}: {METADATA_FILE} is not DCP metadata", EXIT_UNREADABLE)
-    return metadata
 
 
 # formatting ------------------------------------------------------------------------------------
@@ -198,7 +195,7 @@ def _ls_state(storage: Storage, info) -> tuple[str, Optional[str]]:
     if not info.committed:
         return "torn", None
     try:
-        _metadata(info.path)
+        _open(info.path)
     except CliError as exc:
         if not storage.exists(storage.join(info.path, METADATA_FILE)):
             return "torn", None  # retention removed it while we looked (it deletes .metadata first)
@@ -227,7 +224,7 @@ def _ls_row(storage: Storage, info, state: str, latest: Optional[str]) -> list:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     _, path = _checkpoint(args.path)
-    metadata = _metadata(path, args.trusted)
+    metadata = _open(path, args.trusted).metadata
     places: dict[str, list] = {}
     for index, info in (metadata.storage_data or {}).items():
         places.setdefault(index.fqn, []).append(info)
@@ -255,15 +252,15 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     """The library's verifier (verify.check_items), with a progress bar and one line per damaged item."""
     from ..layout import CHECKSUMS_FILE
-    from ..loading.verify import check_items, find_sidecar, read_sidecar, sidecar_belongs_to
+    from ..loading.verify import check_items, sidecar_belongs_to
 
-    storage, path = _checkpoint(args.path)
-    metadata = _metadata(path, args.trusted)
-    file = find_sidecar(storage, path, metadata)
+    _, path = _checkpoint(args.path)
+    opened = _open(path, args.trusted)
+    storage, metadata, file = opened.storage, opened.metadata, opened.sidecar_file
     if file is None:
         raise CliError(f"{path}: no {CHECKSUMS_FILE} (saved with checksums=False?); cannot verify", EXIT_UNREADABLE)
     try:
-        sidecar = read_sidecar(storage, path, file)
+        sidecar = opened.sidecar()
     except CheckpointError as exc:
         raise CliError(str(exc), EXIT_UNREADABLE) from None
     if not sidecar_belongs_to(sidecar, metadata):
@@ -294,13 +291,14 @@ def cmd_export(args: argparse.Namespace) -> int:
     from .export import DTYPES, export_hf, model_tensors
 
     _, path = _checkpoint(args.checkpoint)
+    opened = _open(path, args.trusted)
     try:
-        tensors = model_tensors(path, args.prefix, DTYPES.get(args.dtype), args.trusted)
+        tensors = model_tensors(opened, args.prefix, DTYPES.get(args.dtype))
         if args.prefix is None:
             print(f"{path}: exporting the {len(tensors)} tensors under {tensors[0].prefix!r}", file=sys.stderr)
         total = sum(t.nbytes for t in tensors)
         progress = _Progress(total, enabled=not args.quiet)
-        files = export_hf(path, args.out_dir, max_shard_size=args.max_shard_size, dtype=args.dtype,
+        files = export_hf(opened, args.out_dir, max_shard_size=args.max_shard_size, dtype=args.dtype,
                           config_from=args.config_from, prefix=tensors[0].prefix, trusted=args.trusted,
                           progress=progress.advance)
     except (CheckpointError, ValueError, OSError) as exc:

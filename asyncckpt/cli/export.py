@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from ..errors import CheckpointError
 from ..formats import SAFETENSORS_DTYPES, raw_bytes
 from ..loading.load import load
-from ..loading.safe_reader import read_metadata
+from ..loading.opened import OpenCheckpoint, as_open
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -100,10 +100,13 @@ def _groups(keys: list[str]) -> list[str]:
     return sorted(groups)
 
 
-def model_tensors(checkpoint: str, prefix: Optional[str], dtype: Optional[torch.dtype], trusted: bool = False) -> list[ExportedTensor]:
+def model_tensors(
+    checkpoint: str | OpenCheckpoint, prefix: Optional[str], dtype: Optional[torch.dtype], trusted: bool = False
+) -> list[ExportedTensor]:
     """The checkpoint's tensors under `prefix` (None: find_model_prefix), named without it, in the
     checkpoint's order."""
-    metadata = read_metadata(checkpoint, trusted=trusted)
+    opened = as_open(checkpoint, trusted=trusted)
+    checkpoint, metadata = opened.path, opened.metadata
     tensors = {k: m for k, m in metadata.state_dict_metadata.items() if isinstance(m, TensorStorageMetadata)}
     if prefix is None:
         prefix = find_model_prefix(checkpoint, tensors)
@@ -133,7 +136,7 @@ def plan_shards(tensors: list[ExportedTensor], max_shard_bytes: int) -> list[lis
 
 
 def export_hf(
-    checkpoint: str,
+    checkpoint: str | OpenCheckpoint,
     out_dir: str,
     *,
     max_shard_size: str = "5GB",
@@ -152,8 +155,10 @@ def export_hf(
     max_bytes = parse_size(max_shard_size)
     if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
         raise ValueError(f"{out_dir}: exists and is not an empty directory; export writes a new folder")
+    opened = as_open(checkpoint, trusted=trusted)  # read once for the tensors and every shard's load
+    checkpoint = opened.path
     copied = _config_files(config_from, checkpoint)
-    tensors = model_tensors(checkpoint, prefix, DTYPES.get(dtype), trusted)
+    tensors = model_tensors(opened, prefix, DTYPES.get(dtype))
     names = [t.name for t in tensors]
     if len(set(names)) != len(names):
         raise CheckpointError(f"{checkpoint}: two tensors would get the same name in the folder")
@@ -164,7 +169,7 @@ def export_hf(
             f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))
         ]
         for file, shard in zip(files, shards):
-            _write_shard(checkpoint, os.path.join(staging, file), shard, trusted, progress)
+            _write_shard(opened, os.path.join(staging, file), shard, trusted, progress)
         if len(shards) > 1:
             index = {"metadata": {"total_size": sum(t.nbytes for t in tensors)},
                      "weight_map": {t.name: file for file, shard in zip(files, shards) for t in shard}}
@@ -213,7 +218,7 @@ def _make_staging_dir(out_dir: str) -> str:
         raise ValueError(f"{out_dir}: cannot create the folder: {exc}") from None
 
 
-def _write_shard(checkpoint: str, path: str, shard: list[ExportedTensor], trusted: bool,
+def _write_shard(checkpoint: OpenCheckpoint, path: str, shard: list[ExportedTensor], trusted: bool,
                  progress: Optional[Callable[[int, str], None]]) -> None:
     """Read the shard's tensors (one load: one pass over the checkpoint's files), then write a
     safetensors file: header, then each tensor's bytes in order."""

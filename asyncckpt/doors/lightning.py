@@ -30,7 +30,7 @@ from .door_config import check_door_config
 from ..errors import CheckpointError
 from .held_saves import HeldSaves
 from ..loading.load import load
-from ..loading.safe_reader import read_metadata
+from ..loading.opened import open_checkpoint
 from ..layout import METADATA_FILE, is_checkpoint_file
 from .nested import flatten_exact, map_tensors, unflatten_exact
 from ..storage import is_remote, storage_for
@@ -112,12 +112,12 @@ class AsyncCheckpointIO(CheckpointIO):
         trusted = self.trusted if weights_only is None else not weights_only
         if not storage.exists(storage.join(target, METADATA_FILE)):
             raise CheckpointError(f"{target!r}{via} is not a committed checkpoint (no {METADATA_FILE})")
-        metadata = read_metadata(target, trusted=trusted)
+        opened = open_checkpoint(target, trusted=trusted)
         flat = {
             key: torch.empty(meta.size, dtype=meta.properties.dtype) if isinstance(meta, TensorStorageMetadata) else meta
-            for key, meta in metadata.state_dict_metadata.items()
+            for key, meta in opened.metadata.state_dict_metadata.items()
         }
-        load(flat, target, trusted=trusted, no_dist=True)
+        load(flat, opened, trusted=trusted, no_dist=True)
         return map_tensors(unflatten_exact(flat, target), _mover(map_location))
 
     def remove_checkpoint(self, path) -> None:

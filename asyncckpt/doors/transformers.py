@@ -45,7 +45,7 @@ from .door_config import check_door_config
 from ..errors import CheckpointError
 from ..loading.load import load
 from .rng import rng_state, set_rng_state
-from ..loading.safe_reader import read_metadata
+from ..loading.opened import OpenCheckpoint, open_checkpoint
 from ..storage import storage_for
 from .trainer_folders import checkpoint_folders, is_committed, is_complete, remove_folder, resume_target, written_at
 
@@ -157,16 +157,17 @@ class AsyncCheckpointMixin:
     def _load_optimizer_and_scheduler(self, checkpoint) -> None:
         if checkpoint is None or not is_committed(checkpoint):
             return super()._load_optimizer_and_scheduler(checkpoint)
-        saved = _saved_groups(checkpoint)
+        opened = open_checkpoint(checkpoint)
+        saved = _saved_groups(opened)
         optimizer = _torch_optimizer(self.optimizer)
         state: dict[str, Any] = {}
         if "optimizer" in saved:
-            state["optimizer"] = _saved_entries_only(get_optimizer_state_dict(self.model, optimizer), checkpoint)
+            state["optimizer"] = _saved_entries_only(get_optimizer_state_dict(self.model, optimizer), opened)
         if "scheduler" in saved and self.lr_scheduler is not None:
             state["scheduler"] = self.lr_scheduler.state_dict()
         if not state:
             return  # saved with save_only_model: Trainer's own resume does the same
-        load(state, checkpoint)
+        load(state, opened)
         if "optimizer" in state:
             set_optimizer_state_dict(self.model, optimizer, state["optimizer"],  # parameters saved stateless stay so
                                      options=StateDictOptions(strict=False))
@@ -177,21 +178,23 @@ class AsyncCheckpointMixin:
         if checkpoint is None or not is_committed(checkpoint):
             return super()._load_scaler(checkpoint)
         scaler = getattr(self.accelerator, "scaler", None)
-        if scaler is not None and "scaler" in _saved_groups(checkpoint):
+        opened = open_checkpoint(checkpoint) if scaler is not None else None
+        if opened is not None and "scaler" in _saved_groups(opened):
             state = {"scaler": scaler.state_dict()}
-            load(state, checkpoint)
+            load(state, opened)
             scaler.load_state_dict(state["scaler"])
 
     def _load_rng_state(self, checkpoint) -> None:
         if checkpoint is None or not is_committed(checkpoint):
             return super()._load_rng_state(checkpoint)
         key = _rng_key(self.args)
+        opened = open_checkpoint(checkpoint)
         state: dict[str, Any] = {}
-        if key in _saved_groups(checkpoint):
-            state[key] = rng_state(cuda="cuda" in _saved_keys(checkpoint, key))
+        if key in _saved_groups(opened):
+            state[key] = rng_state(cuda="cuda" in _saved_keys(opened, key))
         else:  # e.g. resumed on more ranks than saved; this rank still joins the (collective) load
             log.info("%s holds no RNG state for %s: the resumed run's randomness will differ", checkpoint, key)
-        load(state, checkpoint)
+        load(state, opened)
         if state:
             set_rng_state(state[key])
 
@@ -280,10 +283,11 @@ def _restore_trainer_state_file(checkpoint: str, write: bool) -> None:
     """Trainer reads trainer_state.json; the committed checkpoint's own copy is the truth (an
     interrupted re-save of this step may have replaced the file). Every rank reads (a collective
     load); the rank that saves (`write`) rewrites the file if it differs."""
-    if "trainer_state" not in _saved_groups(checkpoint):
+    opened = open_checkpoint(checkpoint)
+    if "trainer_state" not in _saved_groups(opened):
         return
     state = {"trainer_state": ""}
-    load(state, checkpoint)
+    load(state, opened)
     if not write:
         return
     path = os.path.join(checkpoint, TRAINER_STATE_FILE)
@@ -296,18 +300,18 @@ def _restore_trainer_state_file(checkpoint: str, write: bool) -> None:
     storage_for(checkpoint).write_atomic(path, state["trainer_state"].encode())
 
 
-def _saved_keys(checkpoint: str, group: str, depth: Optional[int] = 1) -> set[str]:
+def _saved_keys(checkpoint: OpenCheckpoint, group: str, depth: Optional[int] = 1) -> set[str]:
     """The keys under `group.` in a checkpoint's `.metadata`: their first level, or whole (depth=None)."""
     prefix = f"{group}."
-    keys = [k[len(prefix):] for k in read_metadata(checkpoint).state_dict_metadata if k.startswith(prefix)]
+    keys = [k[len(prefix):] for k in checkpoint.metadata.state_dict_metadata if k.startswith(prefix)]
     return set(keys) if depth is None else {k.split(".", 1)[0] for k in keys}
 
 
-def _saved_groups(checkpoint: str) -> set[str]:
-    return {k.split(".", 1)[0] for k in read_metadata(checkpoint).state_dict_metadata}
+def _saved_groups(checkpoint: OpenCheckpoint) -> set[str]:
+    return {k.split(".", 1)[0] for k in checkpoint.metadata.state_dict_metadata}
 
 
-def _saved_entries_only(optimizer_state: dict[str, Any], checkpoint: str) -> dict[str, Any]:
+def _saved_entries_only(optimizer_state: dict[str, Any], checkpoint: OpenCheckpoint) -> dict[str, Any]:
     """The optimizer template minus the parameters the checkpoint holds no state for (one that
     never had a gradient, e.g. an unused head): building the template gives every parameter
     state, and DCP would refuse the missing keys; loading leaves those parameters stateless, as

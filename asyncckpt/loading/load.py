@@ -18,10 +18,12 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from ..errors import CheckpointError, PartialLoadError
 from ..formats import CHECKSUM_ALGORITHM, Sidecar
-from .safe_reader import SafeLoadPlanner, SafeReader, read_metadata
+from .opened import OpenCheckpoint, as_open, read_metadata
+from .ring import check_ring_bytes
+from .safe_reader import SafeLoadPlanner, SafeReader
 from ..layout import METADATA_FILE, SIDECAR_NAME, CheckpointInfo, is_data_file, is_temp_file, latest_checkpoint, list_checkpoints, parse_step
 from ..storage import OpenUpload, is_remote, storage_for
-from .verify import UNCHECKED_HINT, check_items, find_sidecar, read_sidecar, sidecar_belongs_to, stale_sidecars
+from .verify import UNCHECKED_HINT, check_items, sidecar_belongs_to, stale_sidecars
 
 
 log = logging.getLogger(__name__)
@@ -32,24 +34,28 @@ PARTLY_LOADED = (
 )
 NOT_CHANGED = "nothing in state_dict was changed"
 def load(
-    state_dict: dict[str, Any], path: str, *, verify: bool = False, trusted: bool = False, process_group=None,
-    no_dist: bool = False, checksums: bool = True,
+    state_dict: dict[str, Any], path: str | OpenCheckpoint, *, verify: bool = False, trusted: bool = False,
+    process_group=None, no_dist: bool = False, checksums: bool = True, ring_bytes: Optional[int] = None,
 ) -> None:
     """Load a committed checkpoint into `state_dict` in place (tensors are read into the
-    existing tensors; resharding follows DCP). With `verify=True`, checksums are checked first
+    existing tensors; resharding follows DCP). `path`: its directory, or the checkpoint already
+    opened (`loading.opened.open_checkpoint`: its `.metadata` was read as that said). With `verify=True`, checksums are checked first
     (they are checked as items are read either way). `checksums=False` checks none (for an
     intact checkpoint whose checksums sidecar is damaged).
     Safe for checkpoints from anywhere unless `trusted=True`, which allows full unpickling of
     `.metadata` and of objects (paths and byte ranges are checked either way). `no_dist=True`:
-    this process loads alone, with no collective, even inside a distributed job."""
+    this process loads alone, with no collective, even inside a distributed job. `ring_bytes`:
+    the host memory (pinned, for CUDA targets) that bytes not read straight into their target go
+    through (default 256 MiB; a piece larger than a slot of 16 MiB takes one more buffer)."""
     if verify and not checksums:
         raise ValueError("verify=True checks the checksums; it cannot go with checksums=False")
-    require_committed(path)
-    reader = SafeReader(path, trusted=trusted, checksums=checksums)
-    metadata = reader.read_metadata()  # a refused .metadata fails here, with its own message, on every rank
-    check_no_stateless_optimizer(state_dict, metadata, path)
+    check_ring_bytes(ring_bytes)
+    opened = as_open(path, trusted=trusted)  # a refused .metadata fails here, with its own message, on every rank
+    path = opened.path
+    check_no_stateless_optimizer(state_dict, opened.metadata, path)
+    reader = SafeReader(opened, trusted=trusted, checksums=checksums, ring_bytes=ring_bytes)
     if verify:
-        problems = verify_checkpoint(path, trusted)
+        problems = verify_checkpoint(opened)
         if problems:
             raise CheckpointError(f"{path!r} failed verification: " + "; ".join(problems[:5]))
     use_dist = not no_dist and dist.is_available() and dist.is_initialized()
@@ -71,18 +77,6 @@ def load(
         if reader.touched:  # this rank's tensors were being written (or were, and another rank failed)
             raise PartialLoadError(f"loading {path!r} failed: {causes}; {PARTLY_LOADED}") from exc
         raise CheckpointError(f"loading {path!r} failed: {causes}; {NOT_CHANGED}") from exc
-
-
-def require_committed(path: str) -> None:
-    """CheckpointError unless `path` holds a committed checkpoint, saying what is there instead."""
-    storage = storage_for(path)
-    if storage.exists(storage.join(path, METADATA_FILE)):
-        return
-    if storage.exists(path):
-        raise CheckpointError(f"{path!r} is a file, not a checkpoint directory")
-    if not storage.is_dir(path):
-        raise CheckpointError(f"{path!r}: no such checkpoint directory")
-    raise CheckpointError(f"{path!r} is not a committed checkpoint (no {METADATA_FILE})")
 
 
 def _describe(exc: BaseException) -> str:
@@ -107,39 +101,33 @@ def check_no_stateless_optimizer(state_dict: dict[str, Any], metadata: Metadata,
                 )
 
 
-def verify_checkpoint(path: str, trusted: bool = False) -> list[str]:
+def verify_checkpoint(path: str | OpenCheckpoint, trusted: bool = False) -> list[str]:
     """Re-read every item and check its checksum; return one line per damaged item (empty: intact),
     or one line saying why it cannot be verified. A damaged `.metadata` or sidecar raises
     CheckpointError naming the file. `trusted` as for `load` (how `.metadata` is unpickled)."""
-    storage = storage_for(path)
-    require_committed(path)
-    metadata = read_metadata(path, trusted=trusted)
-    file = find_sidecar(storage, path, metadata)
-    if file is None:
-        return [f"{path}: no checksums sidecar (saved with checksums=False?)"]
-    sidecar = read_sidecar(storage, path, file)
-    if not sidecar_belongs_to(sidecar, metadata):
-        return [f"{file} belongs to another save of this step (an interrupted re-save); cannot verify"]
-    return [f"{c.relative_path}: {c.name}: {c.problem}" for c in check_items(storage, path, metadata, sidecar) if c.problem]
+    opened = as_open(path, trusted=trusted)
+    if opened.sidecar_file is None:
+        return [f"{opened.path}: no checksums sidecar (saved with checksums=False?)"]
+    sidecar = opened.sidecar()
+    if not sidecar_belongs_to(sidecar, opened.metadata):
+        return [f"{opened.sidecar_file} belongs to another save of this step (an interrupted re-save); cannot verify"]
+    checks = check_items(opened.storage, opened.path, opened.metadata, sidecar)
+    return [f"{c.relative_path}: {c.name}: {c.problem}" for c in checks if c.problem]
 
 
-def damage_of(path: str, trusted: bool = False) -> Optional[str]:
+def damage_of(path: str | OpenCheckpoint, trusted: bool = False) -> Optional[str]:
     """Why the committed checkpoint at `path` is damaged, or None when it reads back intact: its
     `.metadata` and sidecar read safely, and every item reads back whole and matches its checksum
     (items without one: whole). Stops at the first damaged item; never raises."""
     try:
-        storage = storage_for(path)
-        metadata = read_metadata(path, trusted=trusted)
-        file = find_sidecar(storage, path, metadata)
-        sidecar = None
-        if file is not None:
-            try:
-                sidecar = read_sidecar(storage, path, file)
-            except CheckpointError as exc:
-                return f"{exc}; {UNCHECKED_HINT}"
-        if sidecar is None or not sidecar_belongs_to(sidecar, metadata):  # nothing to compare with: read back only
+        opened = as_open(path, trusted=trusted)
+        try:
+            sidecar = opened.own_sidecar()
+        except CheckpointError as exc:
+            return f"{exc}; {UNCHECKED_HINT}"
+        if sidecar is None:  # nothing to compare with: read back only
             sidecar = Sidecar(CHECKSUM_ALGORITHM, None, [])
-        for check in check_items(storage, path, metadata, sidecar):
+        for check in check_items(opened.storage, opened.path, opened.metadata, sidecar):
             if check.problem:
                 return f"{check.relative_path}: {check.name}: {check.problem}"
     except CheckpointError as exc:

@@ -12,6 +12,12 @@ targets). Segments are sorted by offset and coalesced into pieces of up to the s
 each step's CRC32C is computed right after it is read, and the parts of one item are combined
 and checked once all reads ended.
 
+"Through a buffer" means through a slot of the ring (ring.py): a slab is read into a free slot
+and checksummed there, then its copy into the target is queued (a side stream for a CUDA target,
+pinned slots; one copy thread otherwise) while the thread reads the next piece into another
+slot. A CUDA target whose bytes are stored as it holds them goes through in slot-sized pieces
+of bytes; any other in slabs of rows.
+
 A failed read or checksum leaves the targets partly overwritten: the error says so.
 """
 
@@ -19,7 +25,6 @@ from __future__ import annotations
 
 import ctypes
 import io
-import threading
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -31,8 +36,7 @@ from .archive import ArchiveError, TensorRecord, locate_tensor
 from .byte_sources import ByteSource, LocalFiles
 from ..errors import CheckpointError, PartialLoadError
 from ..formats import Sidecar
-
-BUFFER_BYTES = 16 << 20  # each thread's buffer for tensors that cannot be read in place: slabs up to this
+from .ring import DEVICE_RING_BYTES, CopyInto, LoadCancelled, Ring, copy_step_for
 
 
 @dataclass
@@ -55,15 +59,15 @@ class ItemRead:
 
 @dataclass
 class Segment:
-    """A byte range of one item: into `dest`, or (dest None) into the thread's buffer and then
-    through `copy` into the target."""
+    """A byte range of one item: into `dest`, or (dest None) into a slot of the ring and then
+    through `copy` into the target (None: read for the checksum only)."""
 
     item: ItemRead
     order: int  # position inside the item, for combining checksums
     offset: int  # in the file
     length: int
     dest: Optional[memoryview] = None
-    copy: Optional[Callable[[torch.Tensor], None]] = None
+    copy: Optional[CopyInto] = None
 
 
 @dataclass
@@ -87,11 +91,17 @@ class StoredTensor:
     stride: tuple[int, ...]
 
 
-def fetch_items(items: list[ItemRead], sidecar: Optional[Sidecar], source: ByteSource) -> None:
+def fetch_items(
+    items: list[ItemRead], sidecar: Optional[Sidecar], source: ByteSource, ring_bytes: int = DEVICE_RING_BYTES
+) -> None:
     """Read every item from `source`: a tensor whose layout is understood lands in its target,
     anything else (objects included) whole in `item.data`; then check every checksum. Every path
-    and range must have been checked. Reading objects only touches no target."""
+    and range must have been checked. Reading objects only touches no target. `ring_bytes`:
+    host memory for the bytes that go through buffers (see ring.py)."""
     threads = source.threads
+    # every thread gets pieces to read: 512 MiB in 64 MiB pieces would keep 8 of 16 threads idle
+    piece_bytes = min(source.piece_bytes, max(source.step_bytes, sum(item.length for item in items) // (2 * threads)))
+    ring = Ring(copy_step_for([item.target for item in items if item.target is not None]), ring_bytes)
     try:
         source.open({item.path for item in items})
         with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="asyncckpt-load") as pool:
@@ -105,11 +115,14 @@ def fetch_items(items: list[ItemRead], sidecar: Optional[Sidecar], source: ByteS
                     item.data = bytearray(item.length)
                     segments.append(Segment(item, 0, item.start, item.length, memoryview(item.data)))
                 else:
-                    segments += _tensor_segments(item, layout, source.piece_bytes)
-            pieces = _coalesce(sorted(segments, key=lambda s: (s.item.path, s.offset)), source)
-            _run(pool, pieces, sidecar.checksum if sidecar is not None else None, source)
+                    segments += _tensor_segments(item, layout, piece_bytes, ring.slot_bytes)
+            pieces = _coalesce(sorted(segments, key=lambda s: (s.item.path, s.offset)), piece_bytes)
+            _run(pool, pieces, sidecar.checksum if sidecar is not None else None, source, ring)
     finally:
+        copy_error = ring.drain()  # no copy still running once this returns or raises
         source.close()
+    if copy_error is not None:
+        raise copy_error
     if sidecar is not None:
         for item in items:
             _check_crc(item, sidecar)
@@ -195,9 +208,10 @@ def _numel(size) -> int:
     return n
 
 
-def _tensor_segments(item: ItemRead, layout: StoredTensor, piece_bytes: int) -> list[Segment]:
-    """Framing before and after the data to scratch; the data straight into the target, or in
-    slabs of rows through the thread's buffer."""
+def _tensor_segments(item: ItemRead, layout: StoredTensor, piece_bytes: int, slot_bytes: int) -> list[Segment]:
+    """Framing before and after the data to scratch; the data straight into a CPU target, in
+    slot-sized pieces of bytes into a device target stored as it is held, else in slabs of rows
+    through the ring."""
     target, req = item.target, item.req
     head = layout.data_start - item.start
     tail = item.start + item.length - layout.data_start - layout.nbytes
@@ -206,17 +220,21 @@ def _tensor_segments(item: ItemRead, layout: StoredTensor, piece_bytes: int) -> 
         all(o == 0 for o in req.storage_offsets) and tuple(req.lengths) == layout.size
         and layout.nbytes == target.numel() * target.element_size()  # never past the target's end
     )
-    direct = (
-        whole and target.dtype == layout.dtype and target.device.type == "cpu" and target.is_contiguous()
-        and layout.stride == _contiguous_strides(layout.size) or whole and layout.nbytes == 0
+    same_layout = (
+        whole and target.dtype == layout.dtype and target.is_contiguous() and layout.stride == _contiguous_strides(layout.size)
     )
-    if direct:
+    if same_layout and not in_host_memory(target):
+        flat = target.reshape(-1).view(torch.uint8)
+        for begin in range(0, layout.nbytes, slot_bytes):
+            end = min(begin + slot_bytes, layout.nbytes)
+            segments.append(Segment(item, len(segments), layout.data_start + begin, end - begin, copy=_bytes_copy(flat, begin, end)))
+    elif same_layout or whole and layout.nbytes == 0:
         memory = _memory_of(target, layout.nbytes)
         for begin in range(0, layout.nbytes, piece_bytes):
             end = min(begin + piece_bytes, layout.nbytes)
             segments.append(Segment(item, len(segments), layout.data_start + begin, end - begin, memory[begin:end]))
     else:
-        segments += _slab_segments(item, layout, len(segments))
+        segments += _slab_segments(item, layout, len(segments), slot_bytes)
     if tail:
         segments.append(Segment(item, len(segments), item.start + item.length - tail, tail, memoryview(bytearray(tail))))
     return segments
@@ -229,15 +247,24 @@ def _memory_of(tensor: torch.Tensor, nbytes: int) -> memoryview:
     return memoryview((ctypes.c_ubyte * nbytes).from_address(tensor.data_ptr())).cast("B")
 
 
-def _slab_segments(item: ItemRead, layout: StoredTensor, first_order: int) -> list[Segment]:
+def in_host_memory(target: torch.Tensor) -> bool:
+    """Whether the reading threads may write into `target` themselves (else: through the ring)."""
+    return target.device.type == "cpu"
+
+
+def _bytes_copy(flat: torch.Tensor, begin: int, end: int) -> CopyInto:
+    return lambda host, non_blocking: flat[begin:end].copy_(host, non_blocking=non_blocking)
+
+
+def _slab_segments(item: ItemRead, layout: StoredTensor, first_order: int, slot_bytes: int) -> list[Segment]:
     """The data of a tensor that cannot be read in place, as slabs of its outermost stored dim
-    (up to BUFFER_BYTES each, at least one row), each copied into the part of the target it covers."""
+    (up to a slot each, at least one row), each copied into the part of the target it covers."""
     size = layout.size or (1,)
     stride = layout.stride or (1,)
     order = _storage_order(size, stride)
     stored_shape = [size[d] for d in order]
     row_bytes = _numel(stored_shape[1:]) * layout.dtype.itemsize
-    rows_per_slab = max(1, BUFFER_BYTES // max(row_bytes, 1))
+    rows_per_slab = max(1, slot_bytes // max(row_bytes, 1))
     segments = []
     for first in range(0, stored_shape[0], rows_per_slab):
         rows = min(rows_per_slab, stored_shape[0] - first)
@@ -259,7 +286,7 @@ def _slab_copy(item: ItemRead, layout: StoredTensor, order, stored_shape, first:
         return None  # read for the checksum only
     inverse = [order.index(d) for d in range(len(order))]
 
-    def copy(buffer: torch.Tensor) -> None:
+    def copy(buffer: torch.Tensor, non_blocking: bool) -> None:
         src = buffer.view(layout.dtype).view([rows] + stored_shape[1:]).permute(inverse)
         dst = item.target if item.target.dim() else item.target.view(1)
         for d in range(len(order)):
@@ -267,21 +294,20 @@ def _slab_copy(item: ItemRead, layout: StoredTensor, order, stored_shape, first:
                 src, dst = src.narrow(d, lo - first, hi - lo), dst.narrow(d, lo - offsets[d], hi - lo)
             else:
                 src = src.narrow(d, offsets[d], lengths[d])
-        dst.copy_(src)
+        dst.copy_(src, non_blocking=non_blocking)
 
     return copy
 
 
-def _coalesce(segments: list[Segment], source: ByteSource) -> list[Piece]:
-    """Adjacent in-place segments of one file share a piece, up to the source's `piece_bytes`
-    (and IOV_MAX segments)."""
+def _coalesce(segments: list[Segment], piece_bytes: int) -> list[Piece]:
+    """Adjacent in-place segments of one file share a piece, up to `piece_bytes` (and IOV_MAX segments)."""
     pieces: list[Piece] = []
     for seg in segments:
         last = pieces[-1] if pieces else None
         if (
             last is not None and seg.dest is not None and last.segments[-1].dest is not None
             and last.path == seg.item.path and last.offset + last.nbytes == seg.offset
-            and last.nbytes + seg.length <= source.piece_bytes and len(last.segments) < LocalFiles.iov_max
+            and last.nbytes + seg.length <= piece_bytes and len(last.segments) < LocalFiles.iov_max
         ):
             last.segments.append(seg)
             last.nbytes += seg.length
@@ -290,11 +316,13 @@ def _coalesce(segments: list[Segment], source: ByteSource) -> list[Piece]:
     return pieces
 
 
-def _run(pool: ThreadPoolExecutor, pieces: list[Piece], checksum: Optional[Callable], source: ByteSource) -> None:
-    """Read every piece on the pool; the first failure cancels what has not started."""
-    local = threading.local()  # each thread's buffer, freed with the pool
-    futures = [pool.submit(_read_piece, p, local, checksum, source) for p in pieces]
+def _run(pool: ThreadPoolExecutor, pieces: list[Piece], checksum: Optional[Callable], source: ByteSource, ring: Ring) -> None:
+    """Read every piece on the pool; the first failure cancels what has not started (and the
+    reads waiting for a slot)."""
+    futures = [pool.submit(_read_piece, p, ring, checksum, source) for p in pieces]
     _, pending = wait(futures, return_when=FIRST_EXCEPTION)
+    if pending:
+        ring.cancel()
     for future in pending:
         future.cancel()
     wait(futures)
@@ -302,22 +330,26 @@ def _run(pool: ThreadPoolExecutor, pieces: list[Piece], checksum: Optional[Calla
         exc = None if future.cancelled() else future.exception()
         if isinstance(exc, CheckpointError):
             raise exc
-        if exc is not None:  # a copy into a target that failed: name the item
+        if exc is not None and not isinstance(exc, LoadCancelled):  # a copy into a target that failed: name the item
             raise PartialLoadError(f"{piece.segments[0].item.name}: {type(exc).__name__}: {exc}") from exc
 
 
-def _read_piece(piece: Piece, local: threading.local, checksum: Optional[Callable], source: ByteSource) -> None:
-    if piece.segments[0].dest is not None:
+def _read_piece(piece: Piece, ring: Ring, checksum: Optional[Callable], source: ByteSource) -> None:
+    seg = piece.segments[0]
+    if seg.dest is not None:
         _read_checked(source, piece, [(s, s.dest) for s in piece.segments], checksum)
         return
-    seg = piece.segments[0]  # one slab through this thread's buffer, then into the target
-    buffer = getattr(local, "buffer", None)
-    if buffer is None or buffer.numel() < seg.length:
-        buffer = local.buffer = torch.empty(max(seg.length, BUFFER_BYTES), dtype=torch.uint8)
-    view = buffer[: seg.length]
-    _read_checked(source, piece, [(seg, memoryview(view.numpy()))], checksum)
-    if seg.copy is not None:
-        seg.copy(view)
+    buffer = ring.acquire(seg.length)  # one slab or piece through a slot, then into the target
+    try:
+        view = buffer[: seg.length]
+        _read_checked(source, piece, [(seg, memoryview(view.numpy()))], checksum)
+    except BaseException:
+        ring.release(buffer)
+        raise
+    if seg.copy is None:
+        ring.release(buffer)
+    else:
+        ring.submit(buffer, lambda host, non_blocking: seg.copy(host[: seg.length], non_blocking), seg.item.target.device, seg.item.name)
 
 
 def _read_checked(

@@ -19,6 +19,7 @@ from typing import Any, Optional, Protocol
 
 from ..errors import CheckpointError, PartialLoadError
 from .load import NOT_CHANGED, PARTLY_LOADED, damage_of, load, resume_order
+from .opened import open_checkpoint
 from ..layout import CheckpointInfo
 
 log = logging.getLogger("asyncckpt")
@@ -61,12 +62,15 @@ def resume(
     skipped: list[SkippedCheckpoint] = []
     touched = False
     for n, info in enumerate(candidates):
+        opened = None  # the checkpoint, opened once for its load and its damage check
         try:
-            load(state_dict, info.path, trusted=trusted, process_group=group.pg, checksums=checksums)
+            opened = open_checkpoint(info.path, trusted=trusted)
+            load(state_dict, opened, trusted=trusted, process_group=group.pg, checksums=checksums)
         except CheckpointError as exc:
             touched = touched or isinstance(exc, PartialLoadError)
             last = strict or n == len(candidates) - 1
-            reason = None if last else group.broadcast(damage_of(info.path, trusted) if group.is_coordinator else None)
+            checked = opened or info.path
+            reason = None if last else group.broadcast(damage_of(checked, trusted) if group.is_coordinator else None)
             if reason is None:
                 if not skipped:
                     raise

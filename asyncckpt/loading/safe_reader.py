@@ -23,27 +23,17 @@ from ..errors import CheckpointError
 from ..formats import Sidecar
 from ..layout import METADATA_FILE, is_safetensors_file
 from .byte_sources import LocalFiles, ObjectRanges
+from .opened import OpenCheckpoint, open_checkpoint, opened_with, read_metadata
 from .reader import ItemRead, fetch_items, place_items
+from .ring import check_ring_bytes
 from .safety import (
-    TRUST_HINT, check_ranges, check_relative_path, load_metadata, load_object, load_tensor, raw_tensor, refused_globals,
-    refused_objects_text,
+    TRUST_HINT, check_ranges, load_object, load_tensor, raw_tensor, refused_globals, refused_objects_text,
 )
-from ..storage import LocalStorage, storage_for
-from .verify import UNCHECKED_HINT, find_sidecar, read_sidecar, sidecar_belongs_to
+from ..storage import LocalStorage
+from .verify import UNCHECKED_HINT, sidecar_belongs_to
 
 log = logging.getLogger(__name__)
 
-
-
-def read_metadata(path: str, *, trusted: bool = False, name: str = METADATA_FILE) -> Metadata:
-    """A checkpoint's DCP metadata, unpickled safely (see safety.py), every file it names
-    checked to lie inside `path`."""
-    storage = storage_for(path)
-    source = storage.join(path, name)
-    metadata = load_metadata(storage.read_bytes(source), source, trusted)
-    for relative_path in {info.relative_path for info in (metadata.storage_data or {}).values()}:
-        check_relative_path(storage, path, relative_path)
-    return metadata
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
@@ -69,20 +59,25 @@ class SafeReader(StorageReader):
     transforms) and asyncckpt's raw safetensors items; every path and byte range is checked
     before it is read. Objects need `SafeLoadPlanner` unless `trusted=True`; they are read
     first, so one that weights_only refuses stops the load before any tensor is written.
-    `checksums=False` reads without checking checksums (the sidecar is not read)."""
+    `checksums=False` reads without checking checksums (the sidecar is not read). `ring_bytes`:
+    host memory (pinned for CUDA targets) for bytes not read straight into their target (ring.py)."""
 
-    def __init__(self, path: str, *, trusted: bool = False, checksums: bool = True) -> None:
+    def __init__(
+        self, checkpoint: str | OpenCheckpoint, *, trusted: bool = False, checksums: bool = True,
+        ring_bytes: Optional[int] = None,
+    ) -> None:
         super().__init__()
         self.trusted = trusted
+        self.ring_bytes = check_ring_bytes(ring_bytes)
         self.use_checksums = checksums
         self._transforms = _StorageReaderTransforms()
-        self._metadata_read: dict[tuple[str, str], Metadata] = {}  # load() and DCP both ask for it
-        self.reset(path)
+        self.reset(checkpoint)
 
     def reset(self, checkpoint_id=None) -> None:
-        if checkpoint_id is not None:
-            self.path = str(checkpoint_id)
-            self.storage = storage_for(self.path)
+        if isinstance(checkpoint_id, OpenCheckpoint):
+            self.path, self.opened = checkpoint_id.path, checkpoint_id
+        elif checkpoint_id is not None:
+            self.path, self.opened = str(checkpoint_id), None  # opened by read_metadata
         self.metadata: Optional[Metadata] = None
         self.touched = False  # whether read_data began writing into the caller's state
         self.checksums: dict[tuple[str, int, int], int] = {}
@@ -94,34 +89,36 @@ class SafeReader(StorageReader):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id) -> bool:
-        return isinstance(checkpoint_id, str)
+        return isinstance(checkpoint_id, (str, OpenCheckpoint))
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         rank = kwargs.get("rank")  # DCP asks for __{rank}.metadata when .metadata is missing
-        name = METADATA_FILE if rank is None else f"__{rank}{METADATA_FILE}"
-        key = (self.path, name)
-        if key not in self._metadata_read:  # unpickled once: 0.3 s for 2,000 tensors here
-            self._metadata_read[key] = read_metadata(self.path, trusted=self.trusted, name=name)
-        return self._metadata_read[key]
+        if rank is not None:
+            return read_metadata(self.path, trusted=self.trusted, name=f"__{rank}{METADATA_FILE}")
+        if self.opened is None:  # unpickled once: 0.3 s for 2,000 tensors here
+            self.opened = open_checkpoint(self.path, trusted=self.trusted)
+        return self.opened.metadata
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         if metadata.storage_data is None:
             raise CheckpointError(f"{self.path}: {METADATA_FILE} has no storage_data")
+        if self.opened is None or self.opened.metadata is not metadata:  # a caller's own metadata
+            self.opened = opened_with(self.path, metadata, self.trusted)
         self.metadata = metadata
         self.checksums = self._load_checksums() if self.use_checksums else {}
 
     def _load_checksums(self) -> dict[tuple[str, int, int], int]:
         """(file, offset, length) -> checksum from the sidecar, so every item is checked as it is
         read (no second pass over the data). Checkpoints without a sidecar load unchecked."""
-        path = find_sidecar(self.storage, self.path, self.metadata)
-        if path is None:
-            return {}
         try:
-            sidecar = read_sidecar(self.storage, self.path, path)
+            sidecar = self.opened.sidecar()
         except CheckpointError as exc:
             raise CheckpointError(f"{exc}; {UNCHECKED_HINT}") from None
+        if sidecar is None:
+            return {}
         if not sidecar_belongs_to(sidecar, self.metadata):
-            log.warning("%s belongs to another save of this step (an interrupted re-save); loading unchecked", path)
+            log.warning("%s belongs to another save of this step (an interrupted re-save); loading unchecked",
+                        self.opened.sidecar_file)
             return {}
         self.sidecar = sidecar
         return {(e.relative_path, e.start, e.length): e.crc32 for e in sidecar.items}
@@ -136,13 +133,12 @@ class SafeReader(StorageReader):
         if not self.trusted and not isinstance(planner, SafeLoadPlanner):
             if any(req.type == LoadItemType.BYTE_IO for req in plan.items):
                 raise CheckpointError(f"{self.path}: objects are unpickled by the planner: use SafeLoadPlanner, or {TRUST_HINT}")
-        self._metadata_read.clear()  # kept for one load only: a reader used again may meet a re-saved path
         per_file: dict[str, list[ReadItem]] = {}
         for req in plan.items:
             per_file.setdefault(self.metadata.storage_data[req.storage_index].relative_path, []).append(req)
-        files = {relative_path: check_relative_path(self.storage, self.path, relative_path) for relative_path in per_file}
+        files = self.opened.files
         for relative_path, reqs in per_file.items():  # every range checked before anything is read
-            size = self._file_size(files[relative_path], reqs)
+            size = self._file_size(relative_path, reqs)
             ranges = [(_item_name(r), self.metadata.storage_data[r.storage_index].offset,
                        self.metadata.storage_data[r.storage_index].length) for r in reqs]
             check_ranges(files[relative_path], sorted(ranges, key=lambda r: r[1]), size)
@@ -155,14 +151,15 @@ class SafeReader(StorageReader):
             self._refuse_unsafe_objects(objects)
             unread = [item for item in items if item.req.type != LoadItemType.BYTE_IO]
         self.touched = True
-        fetch_items(unread, sidecar, self._source())
+        fetch_items(unread, sidecar, self._source(), self.ring_bytes)
         place_items(items, planner, lambda item: self._place(item.path, item.req, bytes(item.data), planner))
         done: Future = Future()
         done.set_result(None)
         return done
 
     def _source(self):
-        return LocalFiles() if isinstance(self.storage, LocalStorage) else ObjectRanges(self.storage)
+        storage = self.opened.storage
+        return LocalFiles() if isinstance(storage, LocalStorage) else ObjectRanges(storage)
 
     def _refuse_unsafe_objects(self, objects: list[ItemRead]) -> None:
         """Refuse, before anything is written, the objects that weights_only unpickling would refuse
@@ -174,10 +171,11 @@ class SafeReader(StorageReader):
                 f"{refused_objects_text(refused)}; {TRUST_HINT}"
             )
 
-    def _file_size(self, file: str, reqs: list[ReadItem]) -> int:
+    def _file_size(self, relative_path: str, reqs: list[ReadItem]) -> int:
         try:
-            return self.storage.size(file)
+            return self.opened.file_size(relative_path)
         except OSError as exc:
+            file = self.opened.files[relative_path]
             names = ", ".join(_item_name(req) for req in reqs[:10]) + (" ..." if len(reqs) > 10 else "")
             raise CheckpointError(f"{file}: cannot read it ({exc.strerror or exc}); it holds {len(reqs)} items: {names}") from None
 

@@ -15,7 +15,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import asyncckpt.loading.archive as archive
-import asyncckpt.loading.reader as reader
+import asyncckpt.loading.ring as ring
 from asyncckpt import AsyncCheckpointer, CheckpointConfig, CheckpointError, PartialLoadError, load
 from asyncckpt.loading.byte_sources import LocalFiles, ObjectRanges
 from asyncckpt.formats import SAFETENSORS_DTYPES
@@ -94,7 +94,7 @@ def saved(tmp_path_factory) -> dict[str, str]:
 @pytest.mark.parametrize("fmt", ["torch_save", "safetensors"])
 def test_every_dtype_loads_bitwise_equal(saved, fmt, piece_bytes, monkeypatch):
     monkeypatch.setattr(LocalFiles, "piece_bytes", piece_bytes)
-    monkeypatch.setattr(reader, "BUFFER_BYTES", piece_bytes)
+    monkeypatch.setattr(ring, "SLOT_BYTES", piece_bytes)
     target = fresh_target(source_state(fmt))
     load(target, saved[fmt])
     assert_bitwise_equal(target, source_state(fmt))
@@ -105,7 +105,7 @@ def test_non_contiguous_shared_storage_and_other_dtype_targets(saved, fmt, monke
     """Targets the bytes cannot land in directly: transposed, strided, another dtype; and views
     of one storage, side by side (as a flat parameter buffer holds them)."""
     monkeypatch.setattr(LocalFiles, "piece_bytes", SMALL_PIECES)
-    monkeypatch.setattr(reader, "BUFFER_BYTES", SMALL_PIECES)  # many slabs of rows through the buffer
+    monkeypatch.setattr(ring, "SLOT_BYTES", SMALL_PIECES)  # many slabs of rows through the buffer
     source = source_state(fmt)
     flat = torch.zeros(2 * 37 * 29 + 512 * 300)
     target = fresh_target(source)
@@ -124,7 +124,7 @@ def test_stock_dcp_save_checkpoints_load(tmp_path, monkeypatch):
     """dcp.save keeps a transposed tensor's strides in its archive; views that do not cover
     their storage are cloned; objects are torch.save bytes."""
     monkeypatch.setattr(LocalFiles, "piece_bytes", SMALL_PIECES)
-    monkeypatch.setattr(reader, "BUFFER_BYTES", SMALL_PIECES)
+    monkeypatch.setattr(ring, "SLOT_BYTES", SMALL_PIECES)
     base = random_tensor(torch.float32, (64, 48), 1)
     source = {
         "transposed": base.t(),
@@ -302,7 +302,7 @@ def test_object_store_load_reads_only_the_needed_items_in_parallel(saved, s3_ser
     monkeypatch.setattr(ObjectRanges, "piece_bytes", SMALL_PIECES)
     monkeypatch.setattr(ObjectRanges, "step_bytes", SMALL_PIECES)
     monkeypatch.setattr(ObjectRanges, "whole_item_bytes", 0)  # archives found by reading their head and tail
-    monkeypatch.setattr(reader, "BUFFER_BYTES", SMALL_PIECES)
+    monkeypatch.setattr(ring, "SLOT_BYTES", SMALL_PIECES)
     url = upload(s3_server, saved[fmt], "s3")
     log = range_log(meet=True)
     wanted = ("big", "t_float32", "t_int8")
