@@ -33,7 +33,7 @@ PARTLY_LOADED = (
 NOT_CHANGED = "nothing in state_dict was changed"
 def load(
     state_dict: dict[str, Any], path: str, *, verify: bool = False, trusted: bool = False, process_group=None,
-    no_dist: bool = False, checksums: bool = True,
+    no_dist: bool = False, checksums: bool = True, storage_reader: Optional[SafeReader] = None,
 ) -> None:
     """Load a committed checkpoint into `state_dict` in place (tensors are read into the
     existing tensors; resharding follows DCP). With `verify=True`, checksums are checked first
@@ -41,11 +41,13 @@ def load(
     intact checkpoint whose checksums sidecar is damaged).
     Safe for checkpoints from anywhere unless `trusted=True`, which allows full unpickling of
     `.metadata` and of objects (paths and byte ranges are checked either way). `no_dist=True`:
-    this process loads alone, with no collective, even inside a distributed job."""
+    this process loads alone, with no collective, even inside a distributed job. `storage_reader`:
+    a SafeReader of another source (the memory tier's), instead of the committed checkpoint at `path`."""
     if verify and not checksums:
         raise ValueError("verify=True checks the checksums; it cannot go with checksums=False")
-    require_committed(path)
-    reader = SafeReader(path, trusted=trusted, checksums=checksums)
+    if storage_reader is None:
+        require_committed(path)
+    reader = storage_reader or SafeReader(path, trusted=trusted, checksums=checksums)
     metadata = reader.read_metadata()  # a refused .metadata fails here, with its own message, on every rank
     check_no_stateless_optimizer(state_dict, metadata, path)
     if verify:
