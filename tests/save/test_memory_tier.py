@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -187,3 +188,23 @@ def test_two_ranks_restore_from_memory_and_both_use_the_disk_when_one_lacks_its_
     shm = tmp_path / "shm"
     shm.mkdir()
     run_ranks(_two_ranks, 2, str(tmp_path / "ckpt"), str(shm))
+
+
+def test_stale_files_of_dead_jobs_are_removed_and_nothing_else(tmp_path):
+    from asyncckpt.save.memory_tier import STALE_AFTER_S, remove_stale
+
+    old = time.time() - STALE_AFTER_S - 60
+    names = {
+        "dead": memory_file_name("/jobs/a", 0),  # no owner alive (no footer: a save was staging when all died)
+        "young": memory_file_name("/jobs/b", 0),  # written recently
+        "ours": memory_file_name("/jobs/c", 3),  # this root's: a restart restores from it
+        "foreign": "not-ours.slab",
+    }
+    for key, name in names.items():
+        path = tmp_path / name
+        path.write_bytes(b"\0" * 4096)
+        if key != "young":
+            os.utime(path, (old, old))
+    keep = memory_file_name("/jobs/c", 0).rsplit("-rank", 1)[0] + "-rank"
+    assert remove_stale(str(tmp_path), keep) == [str(tmp_path / names["dead"])]
+    assert sorted(os.listdir(tmp_path)) == sorted(n for k, n in names.items() if k != "dead")
