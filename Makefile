@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv install test test-here example example-ddp example-lightning example-transformers bench bench-load bench-doors bench-lightning bench-incremental bench-transformers bench-gpu lint clean
+.PHONY: venv install test test-here example example-ddp example-lightning example-transformers bench bench-load bench-doors bench-lightning bench-incremental bench-memory-tier bench-transformers bench-gpu lint clean
 
 venv: $(STAMP)
 
@@ -65,6 +65,9 @@ bench-doors: venv
 
 bench-incremental: venv
 	$(PY) benchmarks/bench_incremental.py --size-mib 1024 --out bench_out/bench_incremental.json
+
+bench-memory-tier: venv
+	$(PY) benchmarks/bench_memory_tier.py --size-mb 1024 --out bench_out/bench_memory_tier.json
 
 bench-transformers: venv
 	$(PY) benchmarks/bench_transformers.py --out bench_out/bench_transformers.json

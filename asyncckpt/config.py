@@ -47,6 +47,12 @@ class CheckpointConfig:
         the checkpoint load_latest resumed from); unchanged ones stay in their files, hard-linked
         into the new directory (server-side copies on object stores), so every checkpoint is still
         complete; see docs/usage.md.
+    memory_tier: keep each rank's staging slab in a file under `memory_dir` (one per rank, 0600), so
+        the newest staged save outlives the trainer and its worker (not the node): `load_latest`
+        restores from it when it is newer than the disk (docs/guarantees.md, "Memory tier").
+        Needs a root; not with staging_budget_bytes (the slab must hold the whole state).
+    memory_dir: where the memory tier's files live (a tmpfs: /dev/shm by default).
+    memory_keep: a clean `close()` leaves the memory tier's file in place (removed by default).
     """
 
     io: str = "thread"
@@ -66,6 +72,9 @@ class CheckpointConfig:
     metrics_path: Optional[str] = None
     on_commit: Optional[Callable[[Any], None]] = None
     incremental: bool = False
+    memory_tier: bool = False
+    memory_dir: str = "/dev/shm"
+    memory_keep: bool = False
 
     def __post_init__(self) -> None:
         for name, allowed in _CHOICES.items():
@@ -83,13 +92,18 @@ class CheckpointConfig:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < float("inf"):
                 raise ValueError(f"CheckpointConfig.{name}={value!r} must be a positive number of seconds")
-        for name in ("cache_structure", "fsync", "checksums", "incremental"):
+        for name in ("cache_structure", "fsync", "checksums", "incremental", "memory_tier", "memory_keep"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"CheckpointConfig.{name}={getattr(self, name)!r} must be True or False")
         if self.separation_hint is not None and not (isinstance(self.separation_hint, str) and self.separation_hint):
             raise ValueError(f"CheckpointConfig.separation_hint={self.separation_hint!r} must be a non-empty string")
         if self.incremental and self.staging_budget_bytes is not None:
             raise ValueError("CheckpointConfig.incremental needs the whole state staged: staging_budget_bytes must be None")
+        if self.memory_tier and self.staging_budget_bytes is not None:
+            raise ValueError("CheckpointConfig.memory_tier keeps the whole state in its staging slab: "
+                             "staging_budget_bytes must be None")
+        if not (isinstance(self.memory_dir, str) and os.path.isabs(self.memory_dir)):
+            raise ValueError(f"CheckpointConfig.memory_dir={self.memory_dir!r} must be an absolute path")
         if self.on_commit is not None and not callable(self.on_commit):
             raise ValueError("CheckpointConfig.on_commit must be callable")
 

@@ -39,6 +39,18 @@ class ItemIndex:
 
 
 @dataclass(frozen=True)
+class MemoryTier:
+    """The memory tier (asyncckpt/memory_file.py): the staging slab lives in the file at `path`,
+    whose header names `root` and `world_size`. `hold_s` bounds how long a worker whose trainer
+    died keeps staging the save under way, so that the copy is complete, before it exits."""
+
+    path: str
+    root: str
+    world_size: int
+    hold_s: float
+
+
+@dataclass(frozen=True)
 class WorkerSettings:
     """Sent once, when the worker is spawned."""
 
@@ -47,6 +59,7 @@ class WorkerSettings:
     log_level: int = logging.WARNING
     nice: Optional[int] = None
     ionice: Optional[str] = None
+    memory: Optional[MemoryTier] = None
 
 
 @dataclass(frozen=True)
@@ -136,6 +149,19 @@ class SaveRequest:
     kept_tensors: dict[int, int] = field(default_factory=dict)
     slot: int = 0
     prepare_only: bool = False  # cache the structure and ready the slab for it; stage and write nothing
+    memory: Optional["MemorySave"] = None  # with the memory tier: what its header records of this save
+
+
+@dataclass(frozen=True)
+class MemorySave:
+    """What the memory tier's header records of one save. `plan` (the trainer's description of
+    the items, opaque to the worker) travels only with a new structure; the worker keeps it with
+    the structure. `memory_only`: stage into the tier, write nothing (answered by an empty WriteDone)."""
+
+    step: int
+    token: str
+    memory_only: bool = False
+    plan: Optional[bytes] = None
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ class SaveReport:
     tensors_sent: int  # tensors handed over with this save (0 when only the key was sent)
     plan_reused: bool
     collectives: int = 0  # collectives this save issued, from schedule_save to the commit
+    memory_only: bool = False  # staged into the memory tier only: nothing was written or committed
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -39,8 +40,9 @@ class SaveReport:
 
 def publish(report: SaveReport, metrics_path: Optional[str], on_commit: Optional[Callable[[SaveReport], None]]) -> None:
     log.info(
-        "committed %s: %.1f MB (%.1f MB written), blocked %.3fs, staging %.3fs, write %.3fs, commit %.3fs, "
+        "%s %s: %.1f MB (%.1f MB written), blocked %.3fs, staging %.3fs, write %.3fs, commit %.3fs, "
         "durable %.3fs (%.2f GB/s), worker %d%s",
+        "kept in memory only" if report.memory_only else "committed",
         f"step {report.step}" if report.step is not None else report.path, report.bytes / 1e6,
         report.bytes_written / 1e6,
         report.blocked_s, report.staging_s, report.write_s, report.commit_s, report.durable_s, report.throughput_gbps, report.worker_pid,

@@ -12,6 +12,8 @@ fsynced and its pages dropped with posix_fadvise(DONTNEED)) and warm (just read 
   dcp.load (dcp.save files)    stock dcp.load on a dcp.save checkpoint
   asyncckpt.load               asyncckpt.load on an asyncckpt checkpoint (torch_save, safetensors)
   asyncckpt.load (dcp.save)    asyncckpt.load on the dcp.save checkpoint
+  restart from memory           load_latest of a root whose newest save the memory tier holds (/dev/shm; cold:
+                               the disk's pages dropped, the tier is memory), beside load_latest from the disk
   with --s3, warm only, the torch_save checkpoint put on a local S3 server (moto_server, loopback):
   asyncckpt.load (s3)          ranged GETs on a pool of threads
   dcp.load (msc reader, s3)    stock dcp.load with multi-storage-client's MultiStorageFileSystemReader
@@ -49,6 +51,7 @@ from savebench.state import build_state, state_tensors  # noqa: E402
 import asyncckpt  # noqa: E402
 from asyncckpt import AsyncCheckpointer, CheckpointConfig  # noqa: E402
 from asyncckpt.loading.byte_sources import LocalFiles  # noqa: E402
+from asyncckpt.memory_file import memory_file_name  # noqa: E402
 
 MiB = 1 << 20
 RAW_CHUNK = 8 * MiB
@@ -198,7 +201,33 @@ def ratios(results: list[LoadResult]) -> dict[str, Optional[float]]:
             "dcp.load (dcp.save files)", "asyncckpt.load (dcp.save files)", "warm"),
         "cold: dcp.load / asyncckpt.load, dcp.save files (>= 2)": ratio(
             "dcp.load (dcp.save files)", "asyncckpt.load (dcp.save files)", "cold"),
+        "cold: restart from disk / restart from memory (>= 5)": ratio(
+            "restart from disk (load_latest)", "restart from memory", "cold"),
+        "s3 load / restart from memory (>= 20)": ratio("asyncckpt.load (s3)", "restart from memory", "warm")
+        if "asyncckpt.load (s3)" in by else None,
     }
+
+
+@contextlib.contextmanager
+def restart_rows(root: str, state: dict[str, Any], target_box: list):
+    """A root whose newest save is committed and held by the memory tier (kept past close), and a
+    checkpointer with and one without the tier on it: yields the two rows' load functions. A
+    restart costs the same process start and construction either way: what differs is load_latest."""
+    memory = CheckpointConfig(memory_tier=True, memory_keep=True)
+    with AsyncCheckpointer(root, memory) as ckpt:
+        ckpt.schedule_save(state, step=1)
+    with AsyncCheckpointer(root, memory) as from_memory, AsyncCheckpointer(root) as from_disk:
+        def restart(ckpt: AsyncCheckpointer, source: str) -> Callable[[], None]:
+            def load() -> None:
+                ckpt.load_latest(target_box[0])
+                assert ckpt.resume_report.source == source, ckpt.resume_report
+            return load
+
+        try:
+            yield [("restart from memory", restart(from_memory, "memory")),
+                   ("restart from disk (load_latest)", restart(from_disk, "disk"))]
+        finally:
+            os.unlink(os.path.join(memory.memory_dir, memory_file_name(root, 0)))
 
 
 @contextlib.contextmanager
@@ -280,6 +309,13 @@ def main(argv: Optional[list[str]] = None) -> int:
             if name.startswith(("dcp.load", "asyncckpt.load")):
                 check_equal(target, state)
                 target = empty_like_state(state)  # the next method starts from zeros again
+        box = [target]
+        with restart_rows(os.path.join(root, "restart"), state, box) as restarts:
+            for name, load in restarts:
+                results.append(measure(name, os.path.join(root, "restart"), load, args.repeat))
+                check_equal(box[0], state)
+                box[0] = empty_like_state(state)
+        target = box[0]
         if args.s3:
             with local_s3(os.path.join(root, "s3"), paths["torch_save"]) as (pid, url):
                 from multistorageclient.contrib.torch import MultiStorageFileSystemReader

@@ -28,6 +28,7 @@ class CachedStructure:
     views: list[Optional[torch.Tensor]] = field(default_factory=list)
     views_generation: int = -1
     layout_key: tuple = ()  # the staging rounds the views were laid out for
+    plan: bytes = b""  # the memory tier: the trainer's description of the items, for the header
 
 
 class StructureCache:
@@ -55,6 +56,8 @@ class StructureCache:
         if entry is None or entry.key != request.structure_key:
             held = entry.key[:12] if entry else "nothing"
             raise CacheMiss(f"structure {request.structure_key[:12]} is not cached (worker holds {held})")
+        if request.memory is not None and request.memory.plan is not None:
+            entry.plan = request.memory.plan
         for pos, tensor in request.fresh_tensors.items():
             entry.sources[pos] = tensor
         missing = [

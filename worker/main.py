@@ -28,6 +28,7 @@ from .forked import child_main
 from .forkserver import ForkServer, name_process
 from .rounds import run_save
 from .staging import StagingPool
+from .tier import TierFile
 from .parts import WriteError
 from .writers import Writers
 
@@ -41,8 +42,9 @@ class ServeLoop:
         self.conn = conn
         self.settings = settings
         self.cache = StructureCache()
-        self.pool = StagingPool()
+        self.pool = StagingPool(settings.memory.path if settings.memory else None)
         self.writers = Writers(nice=settings.nice, forks=forks)
+        self.tier = TierFile(settings.memory, settings.rank, settings.parent_pid, self.pool) if settings.memory else None
 
     def serve(self) -> None:
         while True:
@@ -68,11 +70,20 @@ class ServeLoop:
     def handle_save(self, request: SaveRequest) -> None:
         phase = "cache"
         started = time.perf_counter()
+        memory = request.memory if self.tier is not None and not request.prepare_only else None
+        sealing = False
 
         def staged() -> None:
-            nonlocal phase
-            self.conn.send(Staged(request.save_id, time.perf_counter() - started, hit, os.getpid()))
+            nonlocal phase, sealing
+            try:
+                self.conn.send(Staged(request.save_id, time.perf_counter() - started, hit, os.getpid()))
+            except OSError:  # the trainer died: the copy is sealed all the same (hold_for_exit waits for it)
+                if memory is None:
+                    raise
             phase = "write"
+            if memory is not None:
+                sealing = True
+                self.tier.seal(memory, entry.plan, entry.items, entry.views, request.byte_items)
 
         try:
             entry, hit = self.cache.apply(request)
@@ -84,7 +95,13 @@ class ServeLoop:
                 self.conn.send(Prepared(request.save_id, time.perf_counter() - started, self.pool.capacity))
                 return
             phase = "staging"
-            done = run_save(request, entry, self.pool, self.writers, self.settings.rank, staged)
+            if memory is not None:
+                self.tier.begin()
+            try:
+                done = run_save(request, entry, self.pool, self.writers, self.settings.rank, staged)
+            finally:
+                if memory is not None and not sealing:
+                    self.tier.abandon()
             self.conn.send(done)
         except WriteError as exc:
             self._fail(request.save_id, "write", str(exc), exc.path)
@@ -173,6 +190,9 @@ def _start_parent_watchdog(parent_pid: int, loop: ServeLoop) -> None:
         while True:
             time.sleep(PARENT_CHECK_INTERVAL_S)
             if os.getppid() != parent_pid:
+                if loop.tier is not None and not loop.tier.hold_for_exit():
+                    log.error("trainer %d is gone and the save staging into the memory tier did not end within "
+                              "%.0fs; its copy stays incomplete", parent_pid, loop.settings.memory.hold_s)
                 log.warning("trainer %d is gone; worker exits", parent_pid)
                 loop.writers.kill_children()
                 os._exit(3)

@@ -46,8 +46,11 @@ def run_save(
     rank: int,
     on_staged: Callable[[], None],
 ) -> WriteDone:
-    """Stage and write one save; call `on_staged()` once every byte is copied."""
+    """Stage and write one save; call `on_staged()` once every byte is copied. A memory-only
+    save (the memory tier) is staged, laid out as a written one would be, and not written."""
     options = request.options
+    if request.memory is not None and request.memory.memory_only:
+        return _stage_only(request, entry, pool, rank, on_staged)
     if options.incremental:
         return _run_incremental(request, entry, pool, writers, rank, on_staged)
     object_sizes = {pos: len(data) for pos, data in request.byte_items.items()}
@@ -95,6 +98,19 @@ def run_save(
         bytes_written=sum(item.length for item in written),
         write_s=write_s,
     )
+
+
+def _stage_only(
+    request: SaveRequest, entry: CachedStructure, pool: StagingPool, rank: int, on_staged: Callable[[], None]
+) -> WriteDone:
+    options = request.options
+    object_sizes = {pos: len(data) for pos, data in request.byte_items.items()}
+    buckets = make_buckets(entry.items, object_sizes, rank, options.io_workers, options.separation_hint, options.format)
+    views = _views(entry, pool, plan_rounds(entry.items, buckets, None), None)
+    positions = [pos for pos, view in enumerate(views) if view is not None]
+    pool.copy_in([entry.sources[p] for p in positions], [views[p] for p in positions], options.staging_threads)
+    on_staged()
+    return WriteDone(save_id=request.save_id, items=(), bytes_written=0, write_s=0.0)
 
 
 def _run_incremental(

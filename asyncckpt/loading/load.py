@@ -36,6 +36,7 @@ NOT_CHANGED = "nothing in state_dict was changed"
 def load(
     state_dict: dict[str, Any], path: str | OpenCheckpoint, *, verify: bool = False, trusted: bool = False,
     process_group=None, no_dist: bool = False, checksums: bool = True, ring_bytes: Optional[int] = None,
+    storage_reader: Optional[SafeReader] = None,
 ) -> None:
     """Load a committed checkpoint into `state_dict` in place (tensors are read into the
     existing tensors; resharding follows DCP). `path`: its directory, or the checkpoint already
@@ -46,15 +47,20 @@ def load(
     `.metadata` and of objects (paths and byte ranges are checked either way). `no_dist=True`:
     this process loads alone, with no collective, even inside a distributed job. `ring_bytes`:
     the host memory (pinned, for CUDA targets) that bytes not read straight into their target go
-    through (default 256 MiB; a piece larger than a slot of 16 MiB takes one more buffer)."""
+    through (default 256 MiB; a piece larger than a slot of 16 MiB takes one more buffer).
+    `storage_reader`: a SafeReader of another source (the memory tier's), instead of the committed
+    checkpoint at `path`."""
     if verify and not checksums:
         raise ValueError("verify=True checks the checksums; it cannot go with checksums=False")
     check_ring_bytes(ring_bytes)
-    opened = as_open(path, trusted=trusted)  # a refused .metadata fails here, with its own message, on every rank
-    path = opened.path
-    check_no_stateless_optimizer(state_dict, opened.metadata, path)
-    reader = SafeReader(opened, trusted=trusted, checksums=checksums, ring_bytes=ring_bytes)
-    if verify:
+    if storage_reader is None:
+        opened = as_open(path, trusted=trusted)  # a refused .metadata fails here, with its own message, on every rank
+        path = opened.path
+        reader = SafeReader(opened, trusted=trusted, checksums=checksums, ring_bytes=ring_bytes)
+    else:
+        opened, reader = None, storage_reader
+    check_no_stateless_optimizer(state_dict, reader.read_metadata(), path)
+    if verify and opened is not None:
         problems = verify_checkpoint(opened)
         if problems:
             raise CheckpointError(f"{path!r} failed verification: " + "; ".join(problems[:5]))

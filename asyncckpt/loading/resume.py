@@ -46,11 +46,14 @@ class SkippedCheckpoint:
 
 @dataclass(frozen=True)
 class ResumeReport:
-    """What `load_latest` resumed from, and the newer checkpoints it skipped as damaged (newest first)."""
+    """What `load_latest` resumed from, and the newer checkpoints it skipped as damaged (newest
+    first). `source`: "disk" (a committed checkpoint, `path`) or "memory" (the memory tier's copy;
+    `path` is this rank's memory file)."""
 
     step: int
     path: str
     skipped: tuple[SkippedCheckpoint, ...] = ()
+    source: str = "disk"
 
 
 def resume(

@@ -186,7 +186,7 @@ class SafeReader(StorageReader):
         item = ItemRead(req, file, f"{file}: {_item_name(req)}", info.offset, info.length, expected_crc)
         if req.type != LoadItemType.BYTE_IO and not info.transform_descriptors:
             item.dtype, item.chunk = self._chunk_layout(req)
-            item.torch_save = not is_safetensors_file(info.relative_path)
+            item.torch_save = not self.raw_file(info.relative_path)
             item.target = planner.resolve_tensor(req).detach()
             if tuple(item.target.size()) != tuple(req.lengths):
                 raise CheckpointError(f"{item.name}: target size {tuple(item.target.size())} != {tuple(req.lengths)} read")
@@ -201,7 +201,7 @@ class SafeReader(StorageReader):
         if req.type == LoadItemType.BYTE_IO:
             planner.load_bytes(req, io.BytesIO(data))
             return
-        if is_safetensors_file(info.relative_path):
+        if self.raw_file(info.relative_path):
             tensor = raw_tensor(data, *self._chunk_layout(req), what)
         else:
             tensor = load_tensor(data, what)
@@ -211,6 +211,10 @@ class SafeReader(StorageReader):
             raise CheckpointError(f"{what}: stored size {tuple(tensor.size())} != target {tuple(target.size())}")
         target.copy_(tensor)
         planner.commit_tensor(req, target)
+
+    def raw_file(self, relative_path: str) -> bool:
+        """Whether a data file holds its tensors as raw bytes (else torch.save archives)."""
+        return is_safetensors_file(relative_path)
 
     def _chunk_layout(self, req: ReadItem):
         """dtype and shape of a raw item, which only the metadata records."""

@@ -28,10 +28,11 @@ from .guard import GuardHandles, guard_calls
 from .incremental import Continuation
 from .inflight import InFlightSave
 from .job_lock import FolderLocks, parent_folder, take_root
+from .memory_tier import MemoryTier
 from .planning import Planning
 from .rank_worker import RankWorker
 from .ranks import RankGroup, finalize_bound_s
-from .retention import Janitor, discard_uncommitted
+from .retention import Janitor, discard_uncommitted, raise_start_failure
 from .snapshot import SaveWarnings, take_snapshot
 
 log = logging.getLogger("asyncckpt")
@@ -79,7 +80,8 @@ class AsyncCheckpointer:
         if self.root is not None:
             take_root(self._folders, self.root, self._group, self._config.fsync)
         try:
-            self._worker = RankWorker(config, self.rank)  # starts now, so the first save does not wait for it
+            self._memory = MemoryTier(config, self.root, self._group) if config.memory_tier else None
+            self._worker = RankWorker(config, self.rank, self._memory and self._memory.worker_settings())  # starts now
         except BaseException:
             self._folders.release()
             raise
@@ -102,6 +104,7 @@ class AsyncCheckpointer:
         checkpoint_dir: Optional[str] = None,
         wait: bool = True,
         cache_slot: int = 0,
+        memory_only: bool = False,
     ) -> None:
         """Snapshot `state_dict` as of now and write it in the background: as `ROOT/step_N` for
         `step` (then `latest` moves and keep_last applies), or into `checkpoint_dir` when given
@@ -114,7 +117,8 @@ class AsyncCheckpointer:
         changes afterwards (a private copy), e.g. while a fresh worker is still starting.
         `cache_slot` (0 or 1): the worker keeps one structure and its tensors cached per slot; a
         caller whose saves alternate between two sets of tensors (its model's, a held copy of
-        them) gives each set its own slot, and neither is sent again.
+        them) gives each set its own slot, and neither is sent again. `memory_only=True` (memory_tier):
+        stage into the memory tier and write nothing; the next disk save persists the state.
         With several ranks every rank must call this at the same point."""
         self._check_open()
         name, step_dir = self._target(step, checkpoint_dir)
@@ -122,6 +126,8 @@ class AsyncCheckpointer:
             raise TypeError(f"state_dict must be a dict, not {type(state_dict).__name__}")
         if cache_slot not in range(CACHE_SLOTS) or type(cache_slot) is not int:
             raise ValueError(f"cache_slot must be an int in 0..{CACHE_SLOTS - 1}, not {cache_slot!r}")
+        if memory_only and self._memory is None:
+            raise ValueError("memory_only=True needs CheckpointConfig(memory_tier=True)")
         started = time.perf_counter()
         collectives_before = self._group.collectives
         if self._in_flight is not None:
@@ -137,12 +143,13 @@ class AsyncCheckpointer:
                 if name is None:
                     self._folders.take(parent_folder(step_dir), self.config.fsync, f"the folder of checkpoint {step_dir!r}")
             in_our_folder = True
-            if storage.is_symlink(step_dir):
+            if storage.is_symlink(step_dir) and not memory_only:
                 raise CheckpointError(f"{step_dir!r} is a symlink; refusing to write a checkpoint through it")
-            self._janitor.claim(step_dir, self.config.timeout_s)  # retention stays out of it
-            created = name is None and not _is_dir_or_unknown(storage, step_dir)
-            storage.prepare_dir(step_dir, self.config.fsync)  # proves it writable first; its entry durable
-            overwrite = self._group.is_coordinator and storage.exists(storage.join(step_dir, METADATA_FILE))
+            if not memory_only:  # a memory-only save writes nothing there
+                self._janitor.claim(step_dir, self.config.timeout_s)  # retention stays out of it
+                created = name is None and not _is_dir_or_unknown(storage, step_dir)
+                storage.prepare_dir(step_dir, self.config.fsync)  # proves it writable first; its entry durable
+                overwrite = self._group.is_coordinator and storage.exists(storage.join(step_dir, METADATA_FILE))
             local = self._planning.local(state_dict, self._group.is_coordinator)
         except OSError as exc:
             problem = CheckpointError(f"checkpoint directory {step_dir!r} is not usable: {exc}")
@@ -152,9 +159,9 @@ class AsyncCheckpointer:
             [local is None or self._planning.changed(local), int(overwrite), int(problem is not None)],
             "schedule_save", -1 if step is None else step,
         )
-        owns_dir = name is not None or created
+        owns_dir = (name is not None or created) and not memory_only
         if failed:
-            self._raise_agreed_failure(problem, label, step_dir, owns_dir, in_our_folder)
+            raise_start_failure(self._group, problem, label, step_dir, owns_dir, in_our_folder)
         file_tag = ""
         if overwrite_any:  # new files get other names; the old checkpoint stays committed until ours is
             file_tag = self._group.broadcast(new_file_tag())
@@ -168,6 +175,7 @@ class AsyncCheckpointer:
             backpressure_s=backpressure_s, collectives_before=collectives_before, file_tag=file_tag,
             label=label, owns_dir=owns_dir, replaces=bool(overwrite_any),
             base_dirs=tuple(base.checkpoint_dir for base in bases),
+            memory=self._memory.next_save(planned, step, memory_only) if self._memory is not None else None,
         )
         try:
             snapshot = take_snapshot(planned)
@@ -252,11 +260,17 @@ class AsyncCheckpointer:
         intact checkpoint whose checksums sidecar is damaged)."""
         if self.root is None:
             raise CheckpointError("load_latest needs a checkpoint root: AsyncCheckpointer(root, ...)")
-        report = resume(state_dict, self.root, self._group, trusted=trusted, strict=strict, checksums=checksums)
+        restored = self._memory.restore(state_dict, trusted) if self._memory is not None else None
+        report = restored.report if restored else resume(state_dict, self.root, self._group, trusted=trusted,
+                                                         strict=strict, checksums=checksums)
         self.resume_report = report
         if report is None:
             return None
-        self._incremental.resumed(report.path)  # the next save continues from it
+        if restored is None:
+            self._incremental.resumed(report.path)  # the next save continues from it
+        elif restored.persist:  # newer than the disk: written and committed before training goes on
+            self.schedule_save(state_dict, step=report.step)
+            self._finish_in_flight(blocking=True)
         skipped = f", {len(report.skipped)} newer damaged checkpoints skipped" if report.skipped else ""
         log.info("resumed from %s (step %d)%s", report.path, report.step, skipped)
         return report.step
@@ -309,6 +323,8 @@ class AsyncCheckpointer:
             at_exit.forget(self)
             self._janitor.close(self.config.timeout_s)
             self._worker.stop()
+            if self._memory is not None:
+                self._memory.close()
             self._folders.release()
 
     def __enter__(self) -> "AsyncCheckpointer":
@@ -330,9 +346,10 @@ class AsyncCheckpointer:
         if flight.outcome is None:  # another rank's blocking finalize waited its bound for this one
             self._worker.reset(kill=True)
             flight.outcome = RankOutcome(self.rank, error="unfinished when another rank's finalize stopped waiting")
+        memory = flight.memory
         target = SaveTarget(
             self.root, flight.step, flight.name, flight.step_dir, flight.metadata, flight.file_tag, flight.owns_dir,
-            flight.replaces,
+            flight.replaces, memory and memory.token, bool(memory and memory.memory_only),
         )
         storage = storage_for(flight.step_dir)
         verdict = finish_save(
@@ -341,7 +358,8 @@ class AsyncCheckpointer:
         self._in_flight = None
         if not verdict.committed:
             raise CheckpointError(f"{flight.label} not committed: {verdict.error}")
-        self._incremental.committed(flight.step_dir, flight.outcome.written.items, verdict.save_id)
+        if not target.memory_only:
+            self._incremental.committed(flight.step_dir, flight.outcome.written.items, verdict.save_id)
         report = flight.report(self.rank, verdict, flight.outcome, self._group.collectives)
         self._committed.append(report)
         publish(report, self.config.metrics_path, self.config.on_commit)
@@ -368,21 +386,6 @@ class AsyncCheckpointer:
         """Incremental: the checkpoints whose files the save in flight may reuse. Deleting one
         meanwhile would only cost that save its reuse; waiting for the save keeps the reuse."""
         return self._in_flight.base_dirs if self._in_flight is not None else ()
-
-    def _raise_agreed_failure(
-        self, problem: Optional[Exception], label: str, step_dir: str, owns_dir: bool, in_our_folder: bool
-    ) -> None:
-        """Some rank could not start the save: every rank raises, naming the ranks and causes.
-        The directory prepared for it goes too, unless it holds a committed checkpoint or the
-        folder is another job's (its save may be writing there)."""
-        problems = self._group.all_gather(None if problem is None else str(problem))
-        storage = storage_for(step_dir)
-        if self._group.is_coordinator and in_our_folder and not storage.is_symlink(step_dir):
-            discard_uncommitted(storage, step_dir, owns_dir=owns_dir)
-        causes = "; ".join(f"rank {r}: {p}" for r, p in enumerate(problems) if p is not None)
-        if self._group.size == 1 and problem is not None:
-            raise problem
-        raise CheckpointError(f"{label} not started: {causes}")
 
     def _check_open(self) -> None:
         if self._closed:

@@ -66,6 +66,8 @@ class SaveTarget:
     file_tag: str = ""  # set when the save replaces a committed checkpoint of the same step, or links files (incremental)
     owns_dir: bool = True  # the save created the directory: a failed save removes it whole
     replaces: bool = False  # (agreed by every rank) a committed checkpoint was in the directory: its files go after ours commits
+    save_id: Optional[str] = None  # the memory tier's id of the save: its `.metadata` records it (None: a fresh uuid)
+    memory_only: bool = False  # staged into the memory tier only: nothing to commit
 
 
 @dataclass(frozen=True)
@@ -104,6 +106,8 @@ def _decide(storage: Storage, target: SaveTarget, outcomes: list[RankOutcome], f
     root = target.root if target.name is not None else None
     if failures:
         return _failed(storage, target, "; ".join(_naming_rank(o) for o in failures), len(outcomes) > 1)
+    if target.memory_only:  # every rank holds it in memory; nothing on disk changes
+        return Decision(Verdict(True))
     started = time.perf_counter()
     written = [item for o in outcomes for item in o.written.items]
     try:
@@ -144,7 +148,7 @@ def commit_checkpoint(storage: Storage, target: SaveTarget, written: list[ItemWr
     the new `.metadata` replaces the old one."""
     step_dir = target.step_dir
     storage_data = {w.index.to_dcp(): _StorageInfo(w.relative_path, w.offset, w.length) for w in written}
-    save_id = uuid.uuid4().hex
+    save_id = target.save_id or uuid.uuid4().hex
     final = dataclasses.replace(
         target.metadata,
         storage_data=storage_data,

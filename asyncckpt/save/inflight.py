@@ -9,7 +9,7 @@ from typing import Optional
 from torch.distributed.checkpoint.metadata import Metadata
 
 from .commit import RankOutcome, Verdict
-from ..protocol import Staged
+from ..protocol import MemorySave, Staged
 from ..report import SaveReport
 
 
@@ -37,6 +37,7 @@ class InFlightSave:
     owns_dir: bool = True  # the save created its directory (a failed save may remove all of it)
     replaces: bool = False  # a committed checkpoint was in its directory (agreed by every rank)
     base_dirs: tuple[str, ...] = ()  # incremental: the checkpoints whose files it may reuse
+    memory: Optional[MemorySave] = None  # the memory tier's record of it (memory_only: not written)
 
     def report(self, rank: int, verdict: Verdict, outcome: RankOutcome, collectives_now: int) -> SaveReport:
         """The figures of this save, once committed."""
@@ -59,4 +60,5 @@ class InFlightSave:
             tensors_sent=self.tensors_sent,
             plan_reused=self.plan_reused,
             collectives=collectives_now - self.collectives_before,
+            memory_only=self.memory is not None and self.memory.memory_only,
         )

@@ -7,6 +7,7 @@ RankOutcome within the save's bounds: a dead or silent worker becomes an error, 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -19,7 +20,9 @@ from .commit import RankOutcome
 from ..config import CheckpointConfig, write_options
 from ..errors import CheckpointTimeoutError, WorkerDiedError
 from .inflight import InFlightSave
-from ..protocol import CACHE_SLOTS, IncrementalBase, Prepared, SaveFailed, SaveRequest, Staged, WorkerSettings, WriteDone
+from ..protocol import (
+    CACHE_SLOTS, IncrementalBase, MemorySave, MemoryTier, Prepared, SaveFailed, SaveRequest, Staged, WorkerSettings, WriteDone,
+)
 from .snapshot import Snapshot
 from .holds import WorkerHolds, tensors_to_send
 
@@ -27,9 +30,10 @@ log = logging.getLogger("asyncckpt")
 
 
 class RankWorker:
-    def __init__(self, config: CheckpointConfig, rank: int) -> None:
+    def __init__(self, config: CheckpointConfig, rank: int, memory: Optional[MemoryTier] = None) -> None:
         self.config = config
         self.rank = rank
+        self.memory = memory  # the memory tier's file, when configured
         self._client: Optional[WorkerClient] = None
         self._holds: list[Optional[WorkerHolds]] = [None] * CACHE_SLOTS
         self._next_save_id = 0
@@ -58,6 +62,7 @@ class RankWorker:
             log_level=logging.getLogger("asyncckpt").getEffectiveLevel(),
             nice=self.config.worker_nice,
             ionice=self.config.worker_ionice,
+            memory=self.memory,
         )
         self._client = WorkerClient(settings, self.config.worker_start_timeout_s)
         self._client.start()
@@ -116,7 +121,7 @@ class RankWorker:
     def send(self, flight: InFlightSave, snapshot: Snapshot, bases: tuple[IncrementalBase, ...], slot: int = 0) -> None:
         """Hand the save to the worker: the structure key, and only the tensors it does not hold
         (in cache `slot`)."""
-        request = self.request_for(snapshot, flight.step_dir, flight.file_tag, bases, slot)
+        request = self.request_for(snapshot, flight.step_dir, flight.file_tag, bases, slot, memory=flight.memory)
         for device in snapshot.cuda_devices:  # the worker must see finished values
             torch.cuda.synchronize(device)
         self._client.send(request, self.config.timeout_s)
@@ -128,10 +133,12 @@ class RankWorker:
 
     def request_for(
         self, snapshot: Snapshot, step_dir: str, file_tag: str, bases: tuple[IncrementalBase, ...] = (), slot: int = 0,
-        prepare_only: bool = False,
+        prepare_only: bool = False, memory: Optional[MemorySave] = None,
     ) -> SaveRequest:
         held = self._holds[slot] if self.config.cache_structure else None
         send = tensors_to_send(snapshot, held)
+        if memory is not None and send.known_structure:  # the worker keeps the plan with the structure
+            memory = dataclasses.replace(memory, plan=None)
         self._next_save_id += 1
         return SaveRequest(
             save_id=self._next_save_id,
@@ -147,6 +154,7 @@ class RankWorker:
             kept_tensors=send.kept,
             slot=slot,
             prepare_only=prepare_only,
+            memory=memory,
         )
 
     def await_staged(self, flight: InFlightSave) -> None:

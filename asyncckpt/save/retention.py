@@ -204,6 +204,22 @@ def discard_uncommitted(storage: Storage, step_dir: str, file_tag: str = "", own
         log.warning("could not remove uncommitted files in %s: %s", step_dir, exc)
 
 
+def raise_start_failure(
+    group, problem: Optional[Exception], label: str, step_dir: str, owns_dir: bool, in_our_folder: bool
+) -> None:
+    """Some rank could not start the save: every rank raises, naming the ranks and causes.
+    The directory prepared for it goes too, unless it holds a committed checkpoint or the
+    folder is another job's (its save may be writing there)."""
+    problems = group.all_gather(None if problem is None else str(problem))
+    storage = storage_for(step_dir)
+    if group.is_coordinator and in_our_folder and not storage.is_symlink(step_dir):
+        discard_uncommitted(storage, step_dir, owns_dir=owns_dir)
+    causes = "; ".join(f"rank {r}: {p}" for r, p in enumerate(problems) if p is not None)
+    if group.size == 1 and problem is not None:
+        raise problem
+    raise CheckpointError(f"{label} not started: {causes}")
+
+
 def _referenced_files(step_dir: str) -> set[str]:
     return {info.relative_path for info in (read_metadata(step_dir).storage_data or {}).values()}
 

@@ -16,7 +16,7 @@ from conftest import REPO
 LAYERS = (
     ("asyncckpt.errors", "asyncckpt.protocol", "asyncckpt.config", "asyncckpt.report"),
     ("asyncckpt.storage",),
-    ("asyncckpt.layout", "asyncckpt.formats"),
+    ("asyncckpt.layout", "asyncckpt.formats", "asyncckpt.memory_file"),
     ("asyncckpt.loading",),
     ("asyncckpt.save",),
     ("asyncckpt.doors",),
@@ -26,7 +26,7 @@ LAYERS = (
 )
 # what the worker process may load of the library (the rest is the trainer's side)
 WORKER_MAY_IMPORT = ("asyncckpt", "asyncckpt.errors", "asyncckpt.protocol", "asyncckpt.formats", "asyncckpt.layout",
-                     "asyncckpt.storage")
+                     "asyncckpt.storage", "asyncckpt.memory_file")
 MAX_LINES = 400
 
 

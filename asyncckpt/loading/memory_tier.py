@@ -1,0 +1,188 @@
+"""Restoring from the memory tier: `load_latest` loads the memory copy instead of the disk when
+every rank holds the same complete copy and it is newer than the newest committed checkpoint
+(or is that very save: the same save id). Anything else, the disk: another root's copy, an older
+or incomplete one, one any rank lacks (its file is not on this node), or one whose checksums do
+not match (found while reading: then a WARNING, and the disk overwrites every entry).
+
+Every rank reads the headers of every rank's file (on one node they are all here), the ranks
+gather what they saw, the coordinator decides (it alone reads the disk's newest `.metadata`) and
+every rank follows. The copy is read like a checkpoint: DCP Metadata rebuilt from the headers,
+through SafeReader (objects with weights_only unless trusted; every range and CRC32C checked).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Optional, Protocol
+
+from torch.distributed.checkpoint.metadata import Metadata
+
+from ..errors import CheckpointError
+from ..formats import CHECKSUM_ALGORITHM, Sidecar
+from ..layout import latest_checkpoint
+from ..memory_file import MemoryCopy, NotACopy, memory_file_name, owner_alive, read_copy, root_key
+from .load import load
+from .memory_plan import rebuild_metadata
+from .resume import ResumeReport
+from .opened import opened_with
+from .safe_reader import SafeReader, read_metadata
+
+log = logging.getLogger("asyncckpt")
+
+NO_COPY = "no memory copy"
+
+
+class Ranks(Protocol):
+    pg: Any
+    rank: int
+    size: int
+    is_coordinator: bool
+
+    def broadcast(self, obj: Any) -> Any: ...
+
+    def all_gather(self, obj: Any) -> list[Any]: ...
+
+
+@dataclass(frozen=True)
+class Seen:
+    """What one rank found of the memory tier: the save every rank's file holds, or the problem."""
+
+    step: Optional[int] = None
+    token: Optional[str] = None
+    memory_only: bool = False
+    problem: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class Decision:
+    use: bool
+    persist: bool = False  # newer than the disk and not memory-only: write and commit it now
+    why: str = ""  # why not
+    warn: bool = False
+
+
+@dataclass(frozen=True)
+class MemoryRestore:
+    report: ResumeReport
+    persist: bool
+
+
+def restore(
+    state_dict: dict[str, Any], root: str, memory_dir: str, group: Ranks, *, trusted: bool, wait_s: float
+) -> Optional[MemoryRestore]:
+    """Load the memory copy into `state_dict` when it is the one to resume from (every rank
+    decides the same); None: resume from the disk."""
+    started = time.perf_counter()
+    copies: list[MemoryCopy] = []
+    try:
+        copies = read_copies(memory_dir, root, group.size, time.monotonic() + wait_s)
+        mine = Seen(copies[0].step, copies[0].token, copies[0].memory_only)
+    except NotACopy as exc:
+        mine = Seen(problem=str(exc))
+    seen = group.all_gather(mine)
+    decision = group.broadcast(decide(seen, root) if group.is_coordinator else None)
+    if not decision.use:
+        if decision.warn:
+            log.warning("memory tier: not restoring from memory (%s); loading from disk", decision.why)
+        elif decision.why:
+            log.info("memory tier: %s; loading from disk", decision.why)
+        return None
+    step = seen[0].step
+    try:
+        metadata, checksums = rebuild_metadata(copies)
+        reader = MemoryReader(memory_dir, metadata, checksums, trusted)
+        load(state_dict, memory_dir, trusted=trusted, process_group=group.pg, no_dist=group.size == 1,
+             storage_reader=reader)
+    except (CheckpointError, ValueError, KeyError, TypeError) as exc:
+        log.warning("memory tier: the copy of step %d did not load (%s); loading from disk", step, exc)
+        return None
+    what = "memory only" if seen[0].memory_only else ("persisting it to disk" if decision.persist else "committed too")
+    log.info("resumed from memory: step %d (save %s, %s) in %.2fs", step, seen[0].token[:8], what,
+             time.perf_counter() - started)
+    return MemoryRestore(ResumeReport(step, copies[group.rank].path, source="memory"), decision.persist)
+
+
+def read_copies(memory_dir: str, root: str, world_size: int, deadline: float) -> list[MemoryCopy]:
+    """Every rank's copy, as this rank sees them: complete, of `root`, of the same save.
+    NotACopy (naming the file) otherwise."""
+    copies = []
+    for rank in range(world_size):
+        path = os.path.join(memory_dir, memory_file_name(root, rank))
+        try:
+            copy = _read_waiting(path, deadline)
+        except NotACopy as exc:
+            if str(exc) == NO_COPY and rank == 0:
+                raise
+            raise NotACopy(f"{path}: {exc}") from None
+        if copy.root != root_key(root) or copy.rank != rank or copy.world_size != world_size:
+            raise NotACopy(f"{path}: it holds rank {copy.rank} of {copy.world_size} of {copy.root!r}, not rank "
+                           f"{rank} of {world_size} of {root_key(root)!r}")
+        if copies and (copy.token, copy.step) != (copies[0].token, copies[0].step):
+            raise NotACopy(f"{path} holds step {copy.step} (save {copy.token[:8]}), rank 0's step "
+                           f"{copies[0].step} (save {copies[0].token[:8]})")
+        copies.append(copy)
+    return copies
+
+
+def _read_waiting(path: str, deadline: float) -> MemoryCopy:
+    """read_copy, waiting (until `deadline`) while the worker that was staging into it lives:
+    the worker of a trainer that just died seals the save it was staging before it exits."""
+    writer = 0
+    while True:
+        try:
+            return read_copy(path)
+        except NotACopy as exc:
+            writer = exc.busy_pid or writer
+            if not (writer and writer != os.getpid() and owner_alive(writer) and time.monotonic() < deadline):
+                raise
+        time.sleep(0.05)
+
+
+def decide(seen: list[Seen], root: str) -> Decision:
+    """The coordinator's choice between the memory copy every rank saw and the disk's newest."""
+    problems = [f"rank {r}: {s.problem}" for r, s in enumerate(seen) if s.problem is not None]
+    if problems:
+        quiet = all(s.problem == NO_COPY for s in seen)
+        return Decision(False, why="" if quiet else "; ".join(problems[:4]), warn=not quiet)
+    saves = {(s.step, s.token) for s in seen}
+    if len(saves) > 1:
+        return Decision(False, why=f"the ranks hold different saves: {sorted(saves)[:4]}", warn=True)
+    step, token = seen[0].step, seen[0].token
+    newest = latest_checkpoint(root)
+    if newest is None or step > newest.step:
+        return Decision(True, persist=not seen[0].memory_only)
+    if step == newest.step and token == _save_id(newest.path):
+        return Decision(True)
+    return Decision(False, why=f"its copy of step {step} is older than the committed step {newest.step}")
+
+
+def _save_id(path: str) -> Optional[str]:
+    try:
+        meta = read_metadata(path).storage_meta
+    except Exception:  # unreadable: not the memory copy's save, as far as anyone can tell
+        return None
+    return meta.save_id if meta is not None else None
+
+
+class MemoryReader(SafeReader):
+    """SafeReader over the memory tier's files: the Metadata rebuilt from the headers, the
+    headers' checksums; tensors are raw bytes in the slabs."""
+
+    def __init__(self, memory_dir: str, metadata: Metadata, checksums: dict[tuple[str, int, int], int],
+                 trusted: bool) -> None:
+        super().__init__(opened_with(memory_dir, metadata, trusted), trusted=trusted)
+        self._rebuilt = metadata
+        self._header_checksums = checksums
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        return self._rebuilt
+
+    def _load_checksums(self) -> dict[tuple[str, int, int], int]:
+        self.sidecar = Sidecar(CHECKSUM_ALGORITHM, None, [])
+        return self._header_checksums
+
+    def raw_file(self, relative_path: str) -> bool:
+        return True

@@ -1,0 +1,115 @@
+"""The memory tier, on the checkpointer's side (CheckpointConfig(memory_tier=True)).
+
+Each rank's worker stages into a named file under `memory_dir` (asyncckpt/memory_file.py); this
+module names it, gives every save an id that is the same on every rank (and becomes the save_id
+of its `.metadata`, so a restart knows the memory copy is the committed checkpoint), describes
+the plan for the header, restores from the copy at `load_latest`, removes the file at a clean
+close, and removes the files of dead jobs: files of this user under `memory_dir` whose trainer
+and worker are both gone and that were last written more than STALE_AFTER_S ago.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import sys
+import time
+import uuid
+from typing import Any, Optional
+
+from ..config import CheckpointConfig
+from ..errors import CheckpointError
+from ..loading.memory_plan import encode_plan
+from ..loading.memory_tier import MemoryRestore, restore
+from ..memory_file import PREFIX, SUFFIX, NotACopy, memory_file_name, owner_alive, read_copy, root_key
+from ..protocol import CACHE_SLOTS, MemorySave, MemoryTier as MemoryTierSettings
+from .planning import PlannedSave
+from .ranks import RankGroup
+
+log = logging.getLogger("asyncckpt")
+
+STALE_AFTER_S = 24 * 3600  # a dead job's file is removed once it has not been written for this long
+
+
+class MemoryTier:
+    def __init__(self, config: CheckpointConfig, root: Optional[str], group: RankGroup) -> None:
+        """Refuses a configuration where the tier cannot hold: no root, no usable `memory_dir`."""
+        if root is None:
+            raise CheckpointError("memory_tier=True needs a checkpoint root: AsyncCheckpointer(root, ...)")
+        directory = config.memory_dir
+        if not os.path.isdir(directory) or not os.access(directory, os.W_OK | os.X_OK):
+            raise CheckpointError(f"memory_tier: memory_dir {directory!r} is not a writable directory")
+        self.config = config
+        self.root = root
+        self.group = group
+        self.path = os.path.join(directory, memory_file_name(root, group.rank))
+        self._instance = group.broadcast(uuid.uuid4().hex)  # every rank's save ids agree without a collective
+        self._saves = 0
+        self._plans: dict[str, bytes] = {}  # by structure key
+        remove_stale(directory, keep=memory_file_name(root, 0).rsplit("-rank", 1)[0] + "-rank")
+
+    def worker_settings(self) -> MemoryTierSettings:
+        return MemoryTierSettings(self.path, root_key(self.root), self.group.size, hold_s=self.config.timeout_s)
+
+    def next_save(self, planned: PlannedSave, step: Optional[int], memory_only: bool) -> MemorySave:
+        """The header's record of the save being scheduled (the plan is sent when it is new to
+        the worker: RankWorker drops it otherwise)."""
+        if step is None:
+            raise ValueError("with memory_tier=True every save needs a step")
+        self._saves += 1
+        plan = self._plans.get(planned.structure_key)
+        if plan is None:
+            if len(self._plans) >= CACHE_SLOTS:
+                self._plans.clear()
+            plan = self._plans[planned.structure_key] = encode_plan(planned.plan)
+        token = hashlib.md5(f"{self._instance}:{self._saves}".encode()).hexdigest()
+        return MemorySave(step, token, memory_only, plan)
+
+    def restore(self, state_dict: dict[str, Any], trusted: bool) -> Optional[MemoryRestore]:
+        """Load the memory copy when it is the one to resume from (see loading/memory_tier.py)."""
+        return restore(state_dict, self.root, self.config.memory_dir, self.group, trusted=trusted,
+                       wait_s=self.config.timeout_s)
+
+    def close(self) -> None:
+        """A clean close removes this rank's file, unless memory_keep; so does no exit that follows
+        an uncaught exception (at_exit closes then): that is a crash, whose copy a restart needs."""
+        if self.config.memory_keep or getattr(sys, "last_value", None) is not None:
+            return
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            log.warning("memory tier: could not remove %s: %s", self.path, exc)
+
+
+def remove_stale(directory: str, keep: str) -> list[str]:
+    """Remove memory files of dead jobs in `directory` (see the module's docstring); never one
+    whose name starts with `keep` (this root's: a restart of this job restores from it). Returns
+    the paths removed."""
+    removed = []
+    now = time.time()
+    for name in os.listdir(directory):
+        if not (name.startswith(PREFIX) and name.endswith(SUFFIX)) or name.startswith(keep):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            info = os.stat(path, follow_symlinks=False)
+            if info.st_uid != os.geteuid() or now - info.st_mtime < STALE_AFTER_S:
+                continue
+            try:
+                copy = read_copy(path)
+            except NotACopy as exc:
+                if exc.busy_pid and owner_alive(exc.busy_pid):
+                    continue
+            else:
+                if owner_alive(copy.trainer_pid) or owner_alive(copy.worker_pid):
+                    continue
+            os.unlink(path)
+            removed.append(path)
+        except OSError:  # gone meanwhile (another rank removed it)
+            continue
+    if removed:
+        log.info("memory tier: removed %d stale files of dead jobs: %s", len(removed), ", ".join(removed))
+    return removed

@@ -1,0 +1,210 @@
+"""The memory tier (CheckpointConfig(memory_tier=True)): the staging slab is a file per rank under
+memory_dir that outlives the trainer; `load_latest` restores from it when every rank holds the same
+complete, verified copy newer than the disk (or that very save), else from the disk."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from asyncckpt import AsyncCheckpointer, CheckpointConfig, CheckpointError, verify_checkpoint
+from asyncckpt.layout import list_checkpoints, read_latest_marker
+from asyncckpt.memory_file import COMPLETE_AT, FOOTER_BYTES, memory_file_name, read_copy
+from conftest import REPO, assert_state_equal, zeros_like_state
+from multirank import run_ranks
+
+
+def state_at(step: int) -> dict:
+    """Every value a function of the step: several dtypes and shapes, an empty tensor, objects."""
+    base = torch.arange(3000, dtype=torch.float64)
+    return {
+        "w": {"a": base + step, "b": (base[:600].reshape(20, 30) * step).to(torch.bfloat16),
+              "n": torch.arange(17, dtype=torch.int64) * step, "flags": torch.arange(9) % (step + 2) == 0,
+              "empty": torch.zeros(0, 4)},
+        "meta": {"step": step, "name": f"run-{step}", "milestones": [step, step * 2]},
+    }
+
+
+def config(memory_dir, **kw) -> CheckpointConfig:
+    return CheckpointConfig(memory_tier=True, memory_dir=str(memory_dir), worker_nice=None, worker_ionice=None,
+                            timeout_s=60.0, **kw)
+
+
+def save_then_keep(root: str, memory_dir, disk_steps, memory_step) -> None:
+    """Commit `disk_steps`, stage `memory_step` into memory only, close keeping the file."""
+    state = state_at(0)
+    with AsyncCheckpointer(root, config(memory_dir, memory_keep=True)) as ckpt:
+        for step in [*disk_steps, memory_step]:
+            state.update(state_at(step))
+            ckpt.schedule_save(state, step=step, memory_only=step == memory_step)
+            ckpt.finalize(blocking=True)
+
+
+def resume(root: str, memory_dir, **kw):
+    target = zeros_like_state(state_at(0))
+    with AsyncCheckpointer(root, config(memory_dir, **kw)) as ckpt:
+        step = ckpt.load_latest(target)
+        return step, ckpt.resume_report, target
+
+
+def test_a_memory_only_save_is_restored_and_not_written(tmp_path):
+    root, shm = str(tmp_path / "ckpt"), tmp_path / "shm"
+    shm.mkdir()
+    save_then_keep(root, shm, [1], 2)
+    assert [c.step for c in list_checkpoints(root)] == [1]  # nothing of step 2 on disk
+    copy = read_copy(str(shm / memory_file_name(root, 0)))
+    assert (copy.step, copy.memory_only) == (2, True)
+    assert oct(os.stat(copy.path).st_mode & 0o777) == "0o600"
+    step, report, target = resume(root, shm)
+    assert (step, report.source) == (2, "memory")
+    assert_state_equal(target, state_at(2))
+    assert read_latest_marker(root) == "step_00000001"  # memory-only: persisted by the next disk save
+    assert not os.listdir(shm)  # a clean close removes the file
+
+
+def corrupt(path: str, how: str) -> None:
+    with open(path, "r+b") as f:
+        size = os.fstat(f.fileno()).st_size
+        if how == "incomplete":
+            f.seek(size - FOOTER_BYTES + COMPLETE_AT)
+            f.write(b"\0\0\0\0")
+        else:  # a flipped byte in the first tensor's staged bytes
+            f.seek(64)
+            byte = f.read(1)
+            f.seek(64)
+            f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def test_a_copy_that_is_not_this_saves_whole_newer_copy_is_not_used(tmp_path, caplog):
+    """Damaged (a flipped byte), incomplete, another root's, older than the disk: the disk, with a
+    WARNING for all but the older one (nothing is wrong with that)."""
+    root, shm = str(tmp_path / "ckpt"), tmp_path / "shm"
+    shm.mkdir()
+    save_then_keep(root, shm, [1], 2)
+    path = str(shm / memory_file_name(root, 0))
+    pristine = open(path, "rb").read()
+    for case, expected in (("damaged", 1), ("incomplete", 1), ("another root", None), ("older", 3)):
+        with open(path, "wb") as f:
+            f.write(pristine)
+        os.chmod(path, 0o600)
+        where = root
+        if case in ("damaged", "incomplete"):
+            corrupt(path, case)
+        elif case == "another root":
+            where = root + "-other"
+            os.rename(path, shm / memory_file_name(where, 0))
+        else:  # the disk moves past the copy
+            with AsyncCheckpointer(root, CheckpointConfig(worker_nice=None, worker_ionice=None)) as ckpt:
+                ckpt.schedule_save(state_at(3), step=3)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="asyncckpt"):
+            step, report, target = resume(where, shm, memory_keep=True)
+        assert step == expected and (report is None or report.source == "disk"), case
+        if expected is not None:
+            assert_state_equal(target, state_at(expected))
+        warned = [r for r in caplog.records if r.levelno == logging.WARNING and "memory" in r.getMessage()]
+        assert bool(warned) == (case != "older"), (case, [r.getMessage() for r in caplog.records])
+
+
+def test_refused_where_it_cannot_hold(tmp_path):
+    with pytest.raises(ValueError, match="staging_budget_bytes"):
+        CheckpointConfig(memory_tier=True, staging_budget_bytes=64 << 20)
+    with pytest.raises(CheckpointError, match="needs a checkpoint root"):
+        AsyncCheckpointer(None, config(tmp_path))
+    with pytest.raises(CheckpointError, match="not a writable directory"):
+        AsyncCheckpointer(str(tmp_path / "ckpt"), config(tmp_path / "missing"))
+    with AsyncCheckpointer(str(tmp_path / "ckpt2"), CheckpointConfig()) as ckpt:
+        with pytest.raises(ValueError, match="memory_tier"):
+            ckpt.schedule_save(state_at(1), step=1, memory_only=True)
+
+
+def test_a_trainer_killed_after_a_staged_save_restarts_from_memory_and_commits_it(tmp_path):
+    root, shm = str(tmp_path / "ckpt"), tmp_path / "shm"
+    shm.mkdir()
+    trainer = subprocess.run(
+        [sys.executable, "-c", TRAINER, root, str(shm)], cwd=REPO, capture_output=True, text=True, timeout=180,
+        env={**os.environ, "ASYNCCKPT_JOB_ID": "memory-tier-test"},
+    )
+    assert trainer.returncode == -9, trainer.stderr[-3000:]  # SIGKILLed right after step 2 was staged
+    assert "staged 2" in trainer.stdout
+    assert read_latest_marker(root) == "step_00000001"  # step 2 was never committed
+    step, report, target = resume(root, shm)
+    assert (step, report.source) == (2, "memory")
+    assert_state_equal(target, state_at(2))
+    assert read_latest_marker(root) == "step_00000002"  # written and committed before load_latest returned
+    assert verify_checkpoint(os.path.join(root, "step_00000002")) == []
+
+
+TRAINER = textwrap.dedent(
+    f"""
+    import os, sys
+    sys.path.insert(0, {os.path.join(REPO, "tests", "save")!r})
+    sys.path.insert(0, {os.path.join(REPO, "tests")!r})
+    from test_memory_tier import config, state_at
+    from asyncckpt import AsyncCheckpointer
+    root, shm = sys.argv[1:3]
+    state = state_at(1)
+    ckpt = AsyncCheckpointer(root, config(shm))
+    ckpt.schedule_save(state, step=1)
+    ckpt.finalize(blocking=True)
+    state.update(state_at(2))
+    ckpt.schedule_save(state, step=2)  # staged: the worker holds it
+    print("staged 2", flush=True)
+    os.kill(os.getpid(), 9)
+    """
+)
+
+
+def _two_ranks(rank: int, world: int, root: str, shm: str) -> None:
+    state = state_at(0)
+    with AsyncCheckpointer(root, config(shm, memory_keep=True)) as ckpt:
+        for step in (1, 2):
+            state.update(state_at(step))
+            ckpt.schedule_save(state, step=step, memory_only=step == 2)
+            ckpt.finalize(blocking=True)
+    target = zeros_like_state(state_at(0))
+    with AsyncCheckpointer(root, config(shm, memory_keep=True)) as ckpt:
+        assert ckpt.load_latest(target) == 2 and ckpt.resume_report.source == "memory"  # both files here
+        assert_state_equal(target, state_at(2))
+        dist.barrier()
+        if rank == 1:
+            os.unlink(os.path.join(shm, memory_file_name(root, 1)))
+        dist.barrier()
+        target = zeros_like_state(state_at(0))
+        assert ckpt.load_latest(target) == 1 and ckpt.resume_report.source == "disk"  # rank 1 lacks it: disk on both
+        assert_state_equal(target, state_at(1))
+
+
+@pytest.mark.timeout(300)
+def test_two_ranks_restore_from_memory_and_both_use_the_disk_when_one_lacks_its_file(tmp_path):
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    run_ranks(_two_ranks, 2, str(tmp_path / "ckpt"), str(shm))
+
+
+def test_stale_files_of_dead_jobs_are_removed_and_nothing_else(tmp_path):
+    from asyncckpt.save.memory_tier import STALE_AFTER_S, remove_stale
+
+    old = time.time() - STALE_AFTER_S - 60
+    names = {
+        "dead": memory_file_name("/jobs/a", 0),  # no owner alive (no footer: a save was staging when all died)
+        "young": memory_file_name("/jobs/b", 0),  # written recently
+        "ours": memory_file_name("/jobs/c", 3),  # this root's: a restart restores from it
+        "foreign": "not-ours.slab",
+    }
+    for key, name in names.items():
+        path = tmp_path / name
+        path.write_bytes(b"\0" * 4096)
+        if key != "young":
+            os.utime(path, (old, old))
+    keep = memory_file_name("/jobs/c", 0).rsplit("-rank", 1)[0] + "-rank"
+    assert remove_stale(str(tmp_path), keep) == [str(tmp_path / names["dead"])]
+    assert sorted(os.listdir(tmp_path)) == sorted(n for k, n in names.items() if k != "dead")
