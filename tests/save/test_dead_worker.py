@@ -250,8 +250,8 @@ def test_a_request_the_worker_cannot_read_fails_that_save_only(ckpt_root, monkey
         pid = ckpt.worker_pid
         build_request = ckpt._worker.request_for
 
-        def unreadable_request(*args):
-            request = build_request(*args)
+        def unreadable_request(*args, **kwargs):
+            request = build_request(*args, **kwargs)
             request.poison = _FailsToUnpickle()
             return request
 
