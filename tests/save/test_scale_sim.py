@@ -107,7 +107,9 @@ def test_a_simulated_commit_of_two_real_ranks_files_loads_with_stock_dcp(tmp_pat
 
 def test_the_simulator_counts_a_steady_commit_and_matches_dcps_metadata(tmp_path):
     """At 8 ranks of each job shape: both methods commit the same entries; our `.metadata` is no
-    larger than DCP's; a steady save gathers no plans."""
+    larger than DCP's; a steady save gathers no plans; with DDP (rank 0 writes everything) a rank
+    that writes nothing sends only its small outcome, not rank 0's write results (gather_object
+    pads every message to the largest one)."""
     rows = {}
     for parallel, tp in (("fsdp", 1), ("fsdp_tp", 2), ("ddp", 1)):
         ours, theirs = measure(JobShape(TINY, parallel, tp), 8, str(tmp_path / parallel))
@@ -115,7 +117,11 @@ def test_the_simulator_counts_a_steady_commit_and_matches_dcps_metadata(tmp_path
         assert ours.metadata_bytes <= theirs.metadata_bytes
         assert ours.steady_rank_sent < ours.first_rank_sent  # no local plan travels on a steady save
         rows[parallel] = ours
-    assert rows["fsdp"].steady_beyond_results < 8 * 1024, rows["fsdp"]
+    fsdp, ddp = rows["fsdp"], rows["ddp"]
+    writer_results = ddp.phases["results_bytes"]  # the 7 others' outcomes, all empty
+    assert ddp.steady_rank_sent < 1024, ddp
+    assert ddp.steady_coordinator_received < 7 * 1024 + writer_results
+    assert fsdp.steady_beyond_results < 8 * 1024, fsdp
 
 
 def test_the_benchmark_runs_and_writes_its_table_json_and_plot(tmp_path):
