@@ -1,4 +1,4 @@
-"""The simulator's table, its power-law extrapolation to rank counts too large to run here, the
+"""The simulator's table, its linear extrapolation to rank counts too large to run here, the
 JSON and the log-log plot."""
 
 from __future__ import annotations
@@ -28,29 +28,42 @@ COLUMNS = (
     ("files", "files", 1, "{:.0f}"),
     ("requests", "requests", 1, "{:.0f}"),
 )
-FITTED = tuple(name for name, *_ in COLUMNS if name not in ("peak_mib",))
+# not extrapolated: what one rank sends is its own plan or results (it does not grow with the
+# ranks), requests change regime (multipart parts -> one PUT per file) as files shrink
+FITTED = tuple(name for name, *_ in COLUMNS
+               if name not in ("peak_mib", "first_rank_sent", "steady_rank_sent", "requests"))
 
 
 @dataclass
 class Fit:
-    """y = scale * ranks ** slope, fitted on the measured rank counts (least squares in log-log)."""
+    """y = intercept + per_rank * ranks (least squares on the measured rank counts): what a save
+    costs grows with ranks through per-rank messages and per-chunk entries. `exponent` is the
+    log-log slope over the measured counts (1.0: linear)."""
 
-    slope: float
-    scale: float
+    intercept: float
+    per_rank: float
+    exponent: float
 
     def at(self, ranks: int) -> float:
-        return self.scale * ranks ** self.slope
+        return self.intercept + self.per_rank * ranks
 
 
 def fit(points: list[tuple[int, float]]) -> Optional[Fit]:
-    points = [(n, y) for n, y in points if y is not None and y > 0]
+    points = [(n, y) for n, y in points if y is not None]
     if len(points) < 2:
         return None
-    xs, ys = [math.log(n) for n, _ in points], [math.log(y) for _, y in points]
+    slope, intercept = _least_squares([n for n, _ in points], [y for _, y in points])
+    positive = [(math.log(n), math.log(y)) for n, y in points if y > 0]
+    exponent = _least_squares(*zip(*positive))[0] if len(positive) >= 2 else float("nan")
+    return Fit(intercept, slope, exponent)
+
+
+def _least_squares(xs, ys) -> tuple[float, float]:
+    """(slope, intercept) of the least-squares line through the points."""
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
     sxx = sum((x - mx) ** 2 for x in xs)
     slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
-    return Fit(slope, math.exp(my - slope * mx))
+    return slope, my - slope * mx
 
 
 def fits(rows: list[ScaleRow]) -> dict[tuple[str, str], dict[str, Fit]]:
@@ -59,12 +72,11 @@ def fits(rows: list[ScaleRow]) -> dict[tuple[str, str], dict[str, Fit]]:
     for key in sorted({(r.shape, r.method) for r in rows}):
         mine = [r for r in rows if (r.shape, r.method) == key]
         out[key] = {name: f for name in FITTED if (f := fit([(r.ranks, getattr(r, name)) for r in mine]))}
-        per_chunk = [(r.ranks, r.peak_mib / r.chunks) for r in mine if r.peak_mib is not None]
-        if per_chunk:  # peak memory is traced at few rank counts: grow it with the chunks
-            ranks, ratio = per_chunk[-1]
-            chunk_fit = out[key].get("chunks")
-            if chunk_fit:
-                out[key]["peak_mib"] = Fit(chunk_fit.slope, chunk_fit.scale * ratio)
+        traced = [r for r in mine if r.peak_mib is not None]
+        chunks = out[key].get("chunks")
+        if traced and chunks:  # peak memory is traced at one rank count: it grows with the chunks
+            ratio = traced[-1].peak_mib / traced[-1].chunks
+            out[key]["peak_mib"] = Fit(chunks.intercept * ratio, chunks.per_rank * ratio, chunks.exponent)
     return out
 
 
@@ -75,14 +87,15 @@ def extrapolate(rows: list[ScaleRow], targets: list[int]) -> list[dict]:
         largest = max(r.ranks for r in rows if (r.shape, r.method) == (shape, method))
         for n in targets:
             if n > largest:
+                values = {name: f.at(n) for name, f in figures.items()}
                 out.append({"shape": shape, "ranks": n, "method": method, "extrapolated": True,
-                            **{name: f.at(n) for name, f in figures.items()}})
+                            **{name: v for name, v in values.items() if v >= 0}})  # below 0: noise around 0
     return out
 
 
-def slopes(rows: list[ScaleRow]) -> dict[str, dict[str, float]]:
-    """Growth exponents (1.0 = linear in ranks) for the JSON and the docs."""
-    return {f"{shape} / {method}": {name: round(f.slope, 2) for name, f in figures.items()}
+def exponents(rows: list[ScaleRow]) -> dict[str, dict[str, float]]:
+    """Growth exponents over the measured rank counts (1.0 = linear), for the JSON and the docs."""
+    return {f"{shape} / {method}": {name: round(f.exponent, 2) for name, f in figures.items()}
             for (shape, method), figures in fits(rows).items()}
 
 
@@ -138,6 +151,6 @@ def plot(rows: list[ScaleRow], targets: list[int], path: str) -> None:
         ax.set_title(title)
         ax.grid(True, which="both", alpha=0.3)
     axes.flat[0].legend(fontsize=7)
-    figure.suptitle("asyncckpt (solid) vs DCP (dashed), measured; dotted: fitted growth to the largest rank count")
+    figure.suptitle("asyncckpt (solid) vs DCP (dashed), measured; dotted: the linear fit out to the largest rank count")
     figure.tight_layout()
     figure.savefig(path, dpi=110)
