@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv install test test-here example example-ddp example-lightning example-transformers bench bench-load bench-doors bench-lightning bench-incremental bench-memory-tier bench-transformers bench-gpu lint clean
+.PHONY: venv install test test-here example example-ddp example-lightning example-transformers bench bench-load bench-doors bench-lightning bench-incremental bench-memory-tier bench-transformers bench-scale bench-gpu lint clean
 
 venv: $(STAMP)
 
@@ -74,6 +74,10 @@ bench-transformers: venv
 
 bench-lightning: venv
 	$(PY) benchmarks/bench_lightning.py --out bench_out/bench_lightning.json
+
+# the coordinator's cost of a save at many ranks, simulated in one process (docs/benchmark.md "Scale")
+bench-scale: venv
+	$(PY) benchmarks/bench_scale.py --out bench_out/bench_scale.json --plot bench_out/bench_scale.png
 
 # GPU benchmark (docs/benchmark.md "GPU"): this interpreter's own CUDA torch, no venv; GIB=16 for the large state
 GIB ?= 4

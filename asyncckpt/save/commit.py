@@ -85,7 +85,12 @@ def finish_save(
     """Collective: gather every rank's outcome; the coordinator commits if all succeeded; every
     rank gets the same verdict. What to remove (a failed save's files, replaced files, retention)
     is handed to `janitor` after the broadcast (see `_failed` for a single rank's failed save)."""
-    outcomes = group.gather(outcome)
+    # the coordinator's own outcome stays here: gather_object pads every rank's message to the
+    # largest, so sending it would make every rank send as much as the coordinator writes (DDP:
+    # all of it; docs/benchmark.md, "Scale")
+    outcomes = group.gather(RankOutcome(outcome.rank) if group.is_coordinator else outcome)
+    if outcomes is not None:
+        outcomes[0] = outcome
     decision = None
     if group.is_coordinator:
         decision = _decide(storage, target, outcomes, fsync, keep_last)

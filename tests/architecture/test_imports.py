@@ -44,7 +44,8 @@ def package_modules(folder: str, package: str) -> dict[str, str]:
 
 
 MODULES = {**package_modules("asyncckpt", "asyncckpt"), **package_modules("worker", "asyncckpt_worker"),
-           **package_modules("benchmarks/savebench", "savebench"), **package_modules("benchmarks/gpubench", "gpubench")}
+           **package_modules("benchmarks/savebench", "savebench"), **package_modules("benchmarks/gpubench", "gpubench"),
+           **package_modules("benchmarks/scalesim", "scalesim")}
 
 
 def imports_of(module: str) -> set[str]:

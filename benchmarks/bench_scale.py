@@ -1,0 +1,87 @@
+"""Scale on paper: what a save costs the coordinator and every rank at thousands of ranks.
+
+Drives asyncckpt's real planning, plan cache and commit (`asyncckpt.save.planning.Planning`,
+`asyncckpt.save.commit.finish_save`) and DCP's own (`DefaultSavePlanner.create_global_plan`,
+`FileSystemWriter.finish`) for N ranks in one process: rank 0 runs the code, the other ranks'
+messages are fabricated from the job shape (their local plans, their write results) and handed
+over as the bytes they would send (benchmarks/scalesim/). No tensor memory is allocated. Figures
+per shape and rank count: coordinator seconds (first save, steady save), bytes a rank sends and
+receives and the coordinator receives, `.metadata` size and time to write and read it, peak
+coordinator memory (tracemalloc; at the smallest rank count only, it triples the run time), files
+per checkpoint directory and S3 requests per save. Rank counts too large to run in pure Python
+here are extrapolated along a least-squares line (marked ~ in the table; docs/benchmark.md, "Scale").
+
+    python benchmarks/bench_scale.py --out bench_out/bench_scale.json --plot bench_out/bench_scale.png
+    python benchmarks/bench_scale.py --shapes "7B FSDP,7B DDP" --ranks 8,16 --no-memory
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from scalesim.measure import measure  # noqa: E402
+from scalesim.report import exponents, extrapolate, plot, table  # noqa: E402
+from scalesim.shapes import LLAMA_7B, LLAMA_70B, TINY, JobShape  # noqa: E402
+
+SHAPES = {s.name: s for s in (JobShape(LLAMA_7B, "fsdp"), JobShape(LLAMA_70B, "fsdp"),
+                              JobShape(LLAMA_70B, "fsdp_tp", tp=8), JobShape(LLAMA_7B, "ddp"))}
+DEFAULT_SHAPES = list(SHAPES)
+SHAPES["tiny FSDP"] = JobShape(TINY, "fsdp")  # a smoke run (tests)
+# what runs in a few minutes on 2 cores: ~0.7 ms of work per chunk (both methods)
+DEFAULT_RANKS = {"7B FSDP": (8, 16, 32), "70B FSDP": (8, 16, 32), "70B FSDPxTP8": (8, 16, 32),
+                 "7B DDP": (8, 16, 32, 64)}
+TARGETS = (64, 1024, 16384)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", default=",".join(DEFAULT_SHAPES), help=f"comma-separated, of: {', '.join(SHAPES)}")
+    parser.add_argument("--ranks", default="", help="comma-separated rank counts for every shape (default: per shape)")
+    parser.add_argument("--targets", default=",".join(map(str, TARGETS)), help="rank counts to extrapolate to")
+    parser.add_argument("--no-memory", action="store_true", help="skip the tracemalloc pass")
+    parser.add_argument("--out", default=None, help="write the rows, the extrapolation and the fits as JSON here")
+    parser.add_argument("--plot", default=None, help="write the log-log plot here (needs matplotlib)")
+    parser.add_argument("--workdir", default=None, help="where the simulated commits write (default: a temp dir)")
+    args = parser.parse_args(argv)
+    names = [s.strip() for s in args.shapes.split(",") if s.strip()]
+    unknown = [n for n in names if n not in SHAPES]
+    if unknown:
+        parser.error(f"unknown shape(s) {unknown}; known: {list(SHAPES)}")
+    targets = [int(n) for n in args.targets.split(",") if n]
+    rows, started = [], time.perf_counter()
+    with tempfile.TemporaryDirectory(dir=args.workdir) as workdir:
+        for name in names:
+            counts = [int(n) for n in args.ranks.split(",") if n] or DEFAULT_RANKS.get(name, (2, 4))
+            for n in counts:
+                print(f"[{time.perf_counter() - started:6.0f}s] {name} x {n} ranks", file=sys.stderr, flush=True)
+                measured = measure(SHAPES[name], n, workdir)
+                if not args.no_memory and n == min(counts):
+                    traced = measure(SHAPES[name], n, workdir, trace_memory=True)
+                    for row, with_peak in zip(measured, traced):
+                        row.peak_mib = with_peak.peak_mib
+                rows += measured
+    beyond = extrapolate(rows, targets)
+    print(table(rows))
+    if beyond:
+        print("\nExtrapolated (least-squares line over the measured rank counts):")
+        print(table(beyond, extrapolated=True))
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump({"rows": [asdict(r) for r in rows], "extrapolated": beyond, "growth_exponents": exponents(rows),
+                       "seconds": time.perf_counter() - started}, f, indent=1)
+    if args.plot:
+        plot(rows, targets, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
