@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Optional
 
 log = logging.getLogger("asyncckpt")
@@ -32,6 +32,12 @@ class SaveReport:
     tensors_sent: int  # tensors handed over with this save (0 when only the key was sent)
     plan_reused: bool
     collectives: int = 0  # collectives this save issued, from schedule_save to the commit
+    retries: int = 0  # object-store requests and calls tried again after a transient failure (503, reset, ...)
+    requests: dict = field(default_factory=dict)  # object-store requests by kind (put, part, head...), retries included
+
+    @property
+    def request_count(self) -> int:
+        return sum(self.requests.values())
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -40,11 +46,12 @@ class SaveReport:
 def publish(report: SaveReport, metrics_path: Optional[str], on_commit: Optional[Callable[[SaveReport], None]]) -> None:
     log.info(
         "committed %s: %.1f MB (%.1f MB written), blocked %.3fs, staging %.3fs, write %.3fs, commit %.3fs, "
-        "durable %.3fs (%.2f GB/s), worker %d%s",
+        "durable %.3fs (%.2f GB/s), worker %d%s%s",
         f"step {report.step}" if report.step is not None else report.path, report.bytes / 1e6,
         report.bytes_written / 1e6,
         report.blocked_s, report.staging_s, report.write_s, report.commit_s, report.durable_s, report.throughput_gbps, report.worker_pid,
         ", cache hit" if report.cache_hit else "",
+        f", {report.request_count} requests, {report.retries} retries" if report.requests else "",
     )
     # The save is committed already: a failing side channel is logged, never turned into a
     # failure of this save or of the next schedule_save.

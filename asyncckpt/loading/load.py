@@ -44,9 +44,12 @@ def load(
     this process loads alone, with no collective, even inside a distributed job."""
     if verify and not checksums:
         raise ValueError("verify=True checks the checksums; it cannot go with checksums=False")
-    require_committed(path)
     reader = SafeReader(path, trusted=trusted, checksums=checksums)
-    metadata = reader.read_metadata()  # a refused .metadata fails here, with its own message, on every rank
+    try:  # a store that cannot be read (after its retries) fails here too, before anything was read
+        require_committed(path)
+        metadata = reader.read_metadata()  # a refused .metadata fails here, with its own message, on every rank
+    except OSError as exc:
+        raise CheckpointError(f"loading {path!r} failed: {exc}; {NOT_CHANGED}") from exc
     check_no_stateless_optimizer(state_dict, metadata, path)
     if verify:
         problems = verify_checkpoint(path, trusted)

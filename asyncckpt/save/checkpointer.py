@@ -22,6 +22,7 @@ from ..loading.resume import ResumeReport, resume
 from ..protocol import CACHE_SLOTS
 from ..report import SaveReport, publish
 from ..storage import storage_for
+from ..storage.requests import COUNTER
 from . import at_exit
 from .commit import RankOutcome, SaveTarget, finish_save
 from .guard import GuardHandles, guard_calls
@@ -127,6 +128,7 @@ class AsyncCheckpointer:
         if self._in_flight is not None:
             self._finish_in_flight(blocking=True)
         backpressure_s = time.perf_counter() - started
+        requests_before = COUNTER.snapshot()  # this save's object-store requests start here
 
         storage = storage_for(step_dir)
         label = f"step {step}" if name is not None else f"checkpoint {step_dir!r}"
@@ -167,7 +169,7 @@ class AsyncCheckpointer:
             0, step, name, step_dir, planned.metadata, started, 0, planned.reused_plan,
             backpressure_s=backpressure_s, collectives_before=collectives_before, file_tag=file_tag,
             label=label, owns_dir=owns_dir, replaces=bool(overwrite_any),
-            base_dirs=tuple(base.checkpoint_dir for base in bases),
+            base_dirs=tuple(base.checkpoint_dir for base in bases), requests_before=requests_before,
         )
         try:
             snapshot = take_snapshot(planned)

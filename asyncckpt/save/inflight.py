@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 from torch.distributed.checkpoint.metadata import Metadata
@@ -11,6 +11,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from .commit import RankOutcome, Verdict
 from ..protocol import Staged
 from ..report import SaveReport
+from ..storage.requests import COUNTER, RETRIES
 
 
 @dataclass
@@ -37,10 +38,14 @@ class InFlightSave:
     owns_dir: bool = True  # the save created its directory (a failed save may remove all of it)
     replaces: bool = False  # a committed checkpoint was in its directory (agreed by every rank)
     base_dirs: tuple[str, ...] = ()  # incremental: the checkpoints whose files it may reuse
+    requests_before: dict = field(default_factory=dict)  # this process's object-store requests before the save
 
     def report(self, rank: int, verdict: Verdict, outcome: RankOutcome, collectives_now: int) -> SaveReport:
         """The figures of this save, once committed."""
         durable_s = time.perf_counter() - self.started
+        requests = dict(outcome.written.requests)  # the worker's (data files), then this process's (commit)
+        for kind, n in COUNTER.since(self.requests_before).items():
+            requests[kind] = requests.get(kind, 0) + n
         return SaveReport(
             step=self.step,
             rank=rank,
@@ -59,4 +64,6 @@ class InFlightSave:
             tensors_sent=self.tensors_sent,
             plan_reused=self.plan_reused,
             collectives=collectives_now - self.collectives_before,
+            retries=requests.pop(RETRIES, 0),
+            requests=dict(sorted(requests.items())),
         )
