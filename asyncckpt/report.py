@@ -33,11 +33,14 @@ class SaveReport:
     plan_reused: bool
     collectives: int = 0  # collectives this save issued, from schedule_save to the commit
     retries: int = 0  # object-store requests and calls tried again after a transient failure (503, reset, ...)
-    requests: dict = field(default_factory=dict)  # object-store requests by kind (put, part, head...), retries included
+    # object-store requests by kind (put, part, head...), each attempt counted: this rank's data
+    # files (its worker), and this process's own (probe, sidecar, .metadata, latest on the coordinator)
+    requests: dict = field(default_factory=dict)
+    commit_requests: dict = field(default_factory=dict)
 
     @property
     def request_count(self) -> int:
-        return sum(self.requests.values())
+        return sum(self.requests.values()) + sum(self.commit_requests.values())
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -51,7 +54,7 @@ def publish(report: SaveReport, metrics_path: Optional[str], on_commit: Optional
         report.bytes_written / 1e6,
         report.blocked_s, report.staging_s, report.write_s, report.commit_s, report.durable_s, report.throughput_gbps, report.worker_pid,
         ", cache hit" if report.cache_hit else "",
-        f", {report.request_count} requests, {report.retries} retries" if report.requests else "",
+        f", {report.request_count} requests, {report.retries} retries" if report.request_count else "",
     )
     # The save is committed already: a failing side channel is logged, never turned into a
     # failure of this save or of the next schedule_save.

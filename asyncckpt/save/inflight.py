@@ -43,9 +43,8 @@ class InFlightSave:
     def report(self, rank: int, verdict: Verdict, outcome: RankOutcome, collectives_now: int) -> SaveReport:
         """The figures of this save, once committed."""
         durable_s = time.perf_counter() - self.started
-        requests = dict(outcome.written.requests)  # the worker's (data files), then this process's (commit)
-        for kind, n in COUNTER.since(self.requests_before).items():
-            requests[kind] = requests.get(kind, 0) + n
+        requests, commit_requests = dict(outcome.written.requests), COUNTER.since(self.requests_before)
+        retries = requests.pop(RETRIES, 0) + commit_requests.pop(RETRIES, 0)
         return SaveReport(
             step=self.step,
             rank=rank,
@@ -64,6 +63,7 @@ class InFlightSave:
             tensors_sent=self.tensors_sent,
             plan_reused=self.plan_reused,
             collectives=collectives_now - self.collectives_before,
-            retries=requests.pop(RETRIES, 0),
-            requests=dict(sorted(requests.items())),
+            retries=retries,
+            requests=requests,
+            commit_requests=commit_requests,
         )

@@ -98,7 +98,3 @@ def _on_send(request, **_) -> None:
     if attempt and int(attempt.group(1)) > 1:
         COUNTER.add(RETRIES)
 
-
-def total(counts: dict[str, int]) -> int:
-    """Requests in a snapshot or difference (retries are requests already counted by kind)."""
-    return sum(n for kind, n in counts.items() if kind != RETRIES)

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from asyncckpt import AsyncCheckpointer, CheckpointConfig, CheckpointError, load, verify_checkpoint
+from asyncckpt.storage import storage_for
 from asyncckpt.testing.s3_faults import Fault, FaultyS3
 from asyncckpt.testing.s3_server import BUCKET, PROFILE, write_msc_config
 from conftest import STRESS, assert_state_equal, clone_state, stress_size, zeros_like_state
@@ -156,7 +157,9 @@ def test_saves_under_transient_faults_commit_whole(s3_server, front, io, increme
                   f"{report.request_count} requests, {report.retries} retries; faults dealt {dealt}")
             assert dealt, f"{label}: no fault met the save (the test would prove nothing)"
             assert report.step == step and took < TIMEOUT_S
-            assert report.requests == requests  # what the store saw, each attempt counted
+            counted = {k: report.requests.get(k, 0) + report.commit_requests.get(k, 0)
+                       for k in {*report.requests, *report.commit_requests}}
+            assert counted == requests  # what the store saw, each attempt counted
             assert report.retries >= (1 if "stall" not in dealt else 0)
             committed[step] = clone_state(state)
     _check_root(s3_server, front, committed)
@@ -179,6 +182,22 @@ def test_expired_credentials_fail_within_the_bound_and_say_so(s3_server, front):
     print(f"expired credentials: CheckpointError after {took:.1f}s: {failure.value}")
     assert took < RETRY_WINDOW_S + 15  # the retry window, a backoff, the answer; far below timeout_s
     _check_root(s3_server, front, {1: expected})
+
+
+def test_a_conditional_put_whose_answer_was_lost_is_still_ours(s3_server, front):
+    """The root's lease is written with If-None-Match / If-Match: when the store took the PUT but
+    its answer was lost, the retry meets 412; reading back our own bytes, it is ours (before,
+    the job took that for another job's lease and refused to start)."""
+    storage = storage_for(front.root)
+    lease = storage.join(front.root, ".asyncckpt.lock")
+    front.proxy.inject(Fault("drop", kinds=("put",), times=1))
+    assert storage.write_if_version(lease, b"ours", None)
+    assert front.proxy.injected() == {"drop": 1}
+    version = storage.read_versioned(lease).version
+    front.proxy.inject(Fault("drop", kinds=("put",), times=1))
+    assert storage.write_if_version(lease, b"ours, renewed", version)
+    assert not storage.write_if_version(lease, b"another job's", None)  # a real conflict stays one
+    assert storage.read_versioned(lease).data == b"ours, renewed"
 
 
 def test_loads_retry_ranged_gets_and_never_pass_a_partial_read(s3_server, front):
