@@ -216,6 +216,7 @@ class WriteDone:
     bytes_written: int  # every item's bytes (the logical size), linked ones included
     write_s: float
     bytes_linked: int = 0  # of them, in files hard-linked from the base instead of written
+    requests: dict = field(default_factory=dict)  # object-store requests the worker issued, by kind (storage/requests.py)
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Optional
 
 log = logging.getLogger("asyncckpt")
@@ -33,6 +33,15 @@ class SaveReport:
     plan_reused: bool
     collectives: int = 0  # collectives this save issued, from schedule_save to the commit
     memory_only: bool = False  # staged into the memory tier only: nothing was written or committed
+    retries: int = 0  # object-store requests and calls tried again after a transient failure (503, reset, ...)
+    # object-store requests by kind (put, part, head...), each attempt counted: this rank's data
+    # files (its worker), and this process's own (probe, sidecar, .metadata, latest on the coordinator)
+    requests: dict = field(default_factory=dict)
+    commit_requests: dict = field(default_factory=dict)
+
+    @property
+    def request_count(self) -> int:
+        return sum(self.requests.values()) + sum(self.commit_requests.values())
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -41,12 +50,13 @@ class SaveReport:
 def publish(report: SaveReport, metrics_path: Optional[str], on_commit: Optional[Callable[[SaveReport], None]]) -> None:
     log.info(
         "%s %s: %.1f MB (%.1f MB written), blocked %.3fs, staging %.3fs, write %.3fs, commit %.3fs, "
-        "durable %.3fs (%.2f GB/s), worker %d%s",
+        "durable %.3fs (%.2f GB/s), worker %d%s%s",
         "kept in memory only" if report.memory_only else "committed",
         f"step {report.step}" if report.step is not None else report.path, report.bytes / 1e6,
         report.bytes_written / 1e6,
         report.blocked_s, report.staging_s, report.write_s, report.commit_s, report.durable_s, report.throughput_gbps, report.worker_pid,
         ", cache hit" if report.cache_hit else "",
+        f", {report.request_count} requests, {report.retries} retries" if report.request_count else "",
     )
     # The save is committed already: a failing side channel is logged, never turned into a
     # failure of this save or of the next schedule_save.

@@ -7,6 +7,7 @@ io="process" writers come from a fork server started before any other thread (fo
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import os
@@ -21,6 +22,7 @@ import torch
 
 from asyncckpt.formats import use_fast_serialization
 from asyncckpt.protocol import Prepared, Ready, SaveFailed, SaveRequest, Shutdown, Staged, WorkerSettings
+from asyncckpt.storage.requests import COUNTER
 
 from .buckets import staging_need
 from .cache import CacheMiss, StructureCache
@@ -97,12 +99,13 @@ class ServeLoop:
             phase = "staging"
             if memory is not None:
                 self.tier.begin()
+            requests_before = COUNTER.snapshot()
             try:
                 done = run_save(request, entry, self.pool, self.writers, self.settings.rank, staged)
             finally:
                 if memory is not None and not sealing:
                     self.tier.abandon()
-            self.conn.send(done)
+            self.conn.send(dataclasses.replace(done, requests=COUNTER.since(requests_before)))
         except WriteError as exc:
             self._fail(request.save_id, "write", str(exc), exc.path)
         except CacheMiss as exc:

@@ -54,7 +54,10 @@ def load(
         raise ValueError("verify=True checks the checksums; it cannot go with checksums=False")
     check_ring_bytes(ring_bytes)
     if storage_reader is None:
-        opened = as_open(path, trusted=trusted)  # a refused .metadata fails here, with its own message, on every rank
+        try:  # a store that cannot be read (after its retries) fails here too, before anything was read
+            opened = as_open(path, trusted=trusted)  # a refused .metadata fails here, with its own message, on every rank
+        except OSError as exc:
+            raise CheckpointError(f"loading {path!r} failed: {exc}; {NOT_CHANGED}") from exc
         path = opened.path
         reader = SafeReader(opened, trusted=trusted, checksums=checksums, ring_bytes=ring_bytes)
     else:

@@ -22,6 +22,7 @@ from ..loading.resume import ResumeReport, resume
 from ..protocol import CACHE_SLOTS
 from ..report import SaveReport, publish
 from ..storage import storage_for
+from ..storage.requests import COUNTER
 from . import at_exit
 from .commit import RankOutcome, SaveTarget, finish_save
 from .guard import GuardHandles, guard_calls
@@ -32,7 +33,7 @@ from .memory_tier import MemoryTier
 from .planning import Planning
 from .rank_worker import RankWorker
 from .ranks import RankGroup, finalize_bound_s
-from .retention import Janitor, discard_uncommitted, raise_start_failure
+from .retention import Janitor, discard_uncommitted, is_dir_or_unknown, raise_start_failure
 from .snapshot import SaveWarnings, take_snapshot
 
 log = logging.getLogger("asyncckpt")
@@ -133,6 +134,7 @@ class AsyncCheckpointer:
         if self._in_flight is not None:
             self._finish_in_flight(blocking=True)
         backpressure_s = time.perf_counter() - started
+        requests_before = COUNTER.snapshot()  # this save's object-store requests start here
 
         storage = storage_for(step_dir)
         label = f"step {step}" if name is not None else f"checkpoint {step_dir!r}"
@@ -147,7 +149,7 @@ class AsyncCheckpointer:
                 raise CheckpointError(f"{step_dir!r} is a symlink; refusing to write a checkpoint through it")
             if not memory_only:  # a memory-only save writes nothing there
                 self._janitor.claim(step_dir, self.config.timeout_s)  # retention stays out of it
-                created = name is None and not _is_dir_or_unknown(storage, step_dir)
+                created = name is None and not is_dir_or_unknown(storage, step_dir)
                 storage.prepare_dir(step_dir, self.config.fsync)  # proves it writable first; its entry durable
                 overwrite = self._group.is_coordinator and storage.exists(storage.join(step_dir, METADATA_FILE))
             local = self._planning.local(state_dict, self._group.is_coordinator)
@@ -174,7 +176,7 @@ class AsyncCheckpointer:
             0, step, name, step_dir, planned.metadata, started, 0, planned.reused_plan,
             backpressure_s=backpressure_s, collectives_before=collectives_before, file_tag=file_tag,
             label=label, owns_dir=owns_dir, replaces=bool(overwrite_any),
-            base_dirs=tuple(base.checkpoint_dir for base in bases),
+            base_dirs=tuple(base.checkpoint_dir for base in bases), requests_before=requests_before,
             memory=self._memory.next_save(planned, step, memory_only) if self._memory is not None else None,
         )
         try:
@@ -390,11 +392,3 @@ class AsyncCheckpointer:
     def _check_open(self) -> None:
         if self._closed:
             raise CheckpointError("this AsyncCheckpointer is closed")
-
-
-def _is_dir_or_unknown(storage, path: str) -> bool:
-    """Whether a named directory exists already (a failed save never removes it whole); True when unknown."""
-    try:
-        return storage.is_dir(path)
-    except OSError:
-        return True

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 from torch.distributed.checkpoint.metadata import Metadata
@@ -11,6 +11,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from .commit import RankOutcome, Verdict
 from ..protocol import MemorySave, Staged
 from ..report import SaveReport
+from ..storage.requests import COUNTER, RETRIES
 
 
 @dataclass
@@ -38,10 +39,13 @@ class InFlightSave:
     replaces: bool = False  # a committed checkpoint was in its directory (agreed by every rank)
     base_dirs: tuple[str, ...] = ()  # incremental: the checkpoints whose files it may reuse
     memory: Optional[MemorySave] = None  # the memory tier's record of it (memory_only: not written)
+    requests_before: dict = field(default_factory=dict)  # this process's object-store requests before the save
 
     def report(self, rank: int, verdict: Verdict, outcome: RankOutcome, collectives_now: int) -> SaveReport:
         """The figures of this save, once committed."""
         durable_s = time.perf_counter() - self.started
+        requests, commit_requests = dict(outcome.written.requests), COUNTER.since(self.requests_before)
+        retries = requests.pop(RETRIES, 0) + commit_requests.pop(RETRIES, 0)
         return SaveReport(
             step=self.step,
             rank=rank,
@@ -61,4 +65,7 @@ class InFlightSave:
             plan_reused=self.plan_reused,
             collectives=collectives_now - self.collectives_before,
             memory_only=self.memory is not None and self.memory.memory_only,
+            retries=retries,
+            requests=requests,
+            commit_requests=commit_requests,
         )

@@ -238,3 +238,12 @@ def retention_candidates(storage: Storage, root: str, keep_last: int) -> list[st
     committed = [c for c in list_checkpoints(root, storage) if c.committed]
     protected = read_latest_marker(root, storage)
     return [c.path for c in committed[: max(len(committed) - keep_last, 0)] if c.name != protected]
+
+
+def is_dir_or_unknown(storage, path: str) -> bool:
+    """Whether a named directory exists already (a failed save never removes it whole, see
+    discard_uncommitted); True when unknown."""
+    try:
+        return storage.is_dir(path)
+    except OSError:
+        return True

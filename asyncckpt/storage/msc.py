@@ -20,6 +20,8 @@ from typing import Any, Optional
 
 from ..errors import CheckpointError
 from .base import OpenUpload, Storage, Versioned, WriteHandle, unique_suffix
+from .requests import count_requests_of
+from .retries import with_retries
 
 # msc sends a file at or below the profile's multipart threshold (64 MiB by default) as one PUT of
 # the whole file read into memory; such uploads share this budget, so together they never hold
@@ -66,6 +68,7 @@ class _SpooledUpload(WriteHandle):
     def __init__(self, storage: "MscStorage", path: str, timeout_s: float) -> None:
         self.path = path
         self.timeout_s = timeout_s  # bounds the wait for upload memory; the worker bounds the rest
+        self._deadline = time.monotonic() + timeout_s  # no retry of the upload starts after it
         self._storage = storage
         fd, self._tmp = tempfile.mkstemp(prefix="asyncckpt-upload-", suffix=".part")
         self._file = os.fdopen(fd, "wb", buffering=0)
@@ -90,7 +93,7 @@ class _SpooledUpload(WriteHandle):
                 with self._storage.upload_memory.hold(in_memory, self.timeout_s, f"upload {self.path}"):
                     client.upload_file(key, self._tmp)
 
-            self._storage._call("upload", self.path, upload)
+            self._storage._call("upload", self.path, upload, self._deadline)
         finally:
             self._discard_tmp()
 
@@ -269,8 +272,8 @@ class MscStorage(Storage):
             condition = {"if_none_match": "*"} if version is None else {"if_match": version}
             try:
                 client._storage_provider.put_object(key, bytes(data), **condition)
-            except (PreconditionFailedError, FileNotFoundError):  # changed, or removed, meanwhile
-                return False
+            except (PreconditionFailedError, FileNotFoundError):  # changed, or removed, meanwhile:
+                return _holds(client, key, data)  # unless by our own try whose answer was lost
             return True
 
         return self._call("write", path, put)
@@ -312,16 +315,26 @@ class MscStorage(Storage):
     def remove_empty_dir(self, path: str) -> None:
         pass  # a prefix with no keys does not exist
 
-    def _call(self, operation: str, url: str, action) -> Any:
-        """Run `action(client, key)` for `url`; any msc failure (RuntimeError, ValueError for an
-        unknown profile, botocore errors...) becomes an OSError naming the operation and URL."""
+    def _call(self, operation: str, url: str, action, deadline: Optional[float] = None) -> Any:
+        """Run `action(client, key)` for `url`, again on transient failures (retries.py; not past
+        the monotonic `deadline`); any msc failure (RuntimeError, ValueError for an unknown
+        profile, botocore errors...) becomes an OSError naming the operation and URL."""
         try:
             client, key = _resolve(url)
-            return action(client, key)
+            _count_requests(client)
+            return with_retries(lambda: action(client, key), deadline)
         except OSError as exc:
             raise _with_context(exc, f"{operation} {url}: {exc}") from exc
         except Exception as exc:
             raise OSError(f"{operation} {url}: {type(exc).__name__}: {exc}") from exc
+
+
+def _holds(client, key: str, data: bytes) -> bool:
+    """The object holds exactly `data` (bytes that name their writer: a lease)."""
+    try:
+        return client.read(key) == bytes(data)
+    except FileNotFoundError:
+        return False
 
 
 def _with_context(exc: OSError, message: str) -> OSError:
@@ -354,6 +367,13 @@ def _s3_api(client, key: str):
         return None
     bucket, _, s3_key = full_path(key).partition("/")
     return api, bucket, s3_key
+
+
+def _count_requests(client) -> None:
+    """Count the requests of the boto3 client behind a msc client (requests.py), where there is one."""
+    api = getattr(getattr(client, "_storage_provider", None), "_s3_client", None)
+    if api is not None and hasattr(api, "meta"):
+        count_requests_of(api)
 
 
 def _is_posix(client) -> bool:

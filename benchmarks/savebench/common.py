@@ -33,6 +33,8 @@ ALL_METHODS = (
     "asyncckpt safetensors",
     "asyncckpt budget",
     "asyncckpt s3",
+    "asyncckpt s3 proxy",
+    "asyncckpt s3 1% 503",
 )
 
 

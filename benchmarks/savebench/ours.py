@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import os
 import time
+import uuid
 from typing import Any, Optional
 
 from .common import Skip
@@ -81,9 +82,15 @@ class AsyncCkptS3(AsyncCkpt):
 
     PREFIX = "bench"
 
-    def __init__(self, state, workdir, name: str) -> None:
+    def __init__(self, state, workdir, name: str, slowdown_rate: Optional[float] = None) -> None:
+        """`slowdown_rate`: reach the server through asyncckpt.testing.s3_faults.FaultyS3 (in this
+        process), which answers that fraction of requests with 503 SlowDown (0: none, the proxy's
+        own cost only); None: straight to the server."""
         super().__init__(state, workdir, name, {})
         self.server = None
+        self.front = None
+        self.slowdown_rate = slowdown_rate
+        self.profile = ""  # the msc profile through the proxy; "" for s3:// straight to the server
         self.bucket = ""
         self._saved_env: dict[str, Optional[str]] = {}
 
@@ -102,21 +109,39 @@ class AsyncCkptS3(AsyncCkpt):
             raise Skip(f"no local S3 server: {exc}") from exc
         self.bucket = s3_server.BUCKET
         self.server.create_bucket(self.bucket)
+        endpoint, profiles = self.server.endpoint, {s3_server.PROFILE: self.server.endpoint}
+        if self.slowdown_rate is not None:
+            from asyncckpt.testing.s3_faults import Fault, FaultyS3
+
+            self.front = FaultyS3(endpoint, seed=0)
+            if self.slowdown_rate > 0:
+                self.front.inject(Fault("slowdown", rate=self.slowdown_rate))
+            # a profile of its own: msc keeps the s3:// client of an earlier row, at its server's address
+            self.profile = f"bench-{uuid.uuid4().hex[:8]}"
+            profiles[self.profile] = self.front.endpoint
         config_path = os.path.join(self.workdir, "msc_config.yaml")
-        s3_server.write_msc_config(config_path, {s3_server.PROFILE: self.server.endpoint})
-        env = s3_server.session_env(config_path, self.server.endpoint)
+        s3_server.write_msc_config(config_path, profiles)
+        env = s3_server.session_env(config_path, endpoint)
         # Set before the checkpointer starts, so its worker process inherits them; restored in teardown.
         self._saved_env = {name: os.environ.get(name) for name in (*env, "AWS_PROFILE")}
         os.environ.update(env)
         os.environ.pop("AWS_PROFILE", None)
-        self.note = "local moto_server (its memory not counted)"
+        self.note = "local moto_server (its memory not counted)" + (
+            f", through a fault proxy in this process, {self.slowdown_rate:.0%} 503 SlowDown, msc profile with "
+            f"{s3_server.MULTIPART_CHUNKSIZE >> 20} MiB parts" if self.front else "")
+        self._server_note = self.note
+
+    def end(self) -> dict[str, Any]:
+        report = super().end()
+        self.note = f"{self._server_note}; {requests_note(report)}"
+        return report
 
     def outside_pids(self) -> frozenset[int]:
         return frozenset([self.server.process.pid]) if self.server is not None else frozenset()
 
     @property
     def root(self) -> str:
-        return f"s3://{self.bucket}/{self.PREFIX}"
+        return f"msc://{self.profile}/{self.PREFIX}" if self.profile else f"s3://{self.bucket}/{self.PREFIX}"
 
     def output_of(self, step: int) -> str:
         return ""  # nothing on the local disk; see output_size / discard
@@ -143,6 +168,9 @@ class AsyncCkptS3(AsyncCkpt):
         try:
             super().teardown()
         finally:
+            if self.front is not None:
+                self.front.close()
+                self.front = None
             if self.server is not None:
                 self.server.stop()
                 self.server = None
@@ -152,6 +180,23 @@ class AsyncCkptS3(AsyncCkpt):
                 else:
                     os.environ[name] = value
             self._saved_env = {}
+
+
+WRITES = ("put", "part", "create", "complete", "copy", "delete", "abort")  # what S3 limits to ~3,500/s per prefix
+PREFIX_WRITES_PER_S = 3500
+
+
+def requests_note(report: dict[str, Any], ranks: int = 1000) -> str:
+    """One save's requests by kind (this rank's data files + its commit) and what a `ranks`-rank
+    job of the same shape issues: every rank's data-file writes plus the coordinator's commit,
+    and the least time those take at S3's per-prefix write limit (all files of a save share
+    the prefix ROOT/step_N/)."""
+    data, commit = report.get("requests", {}), report.get("commit_requests", {})
+    kinds = sorted({*data, *commit})
+    per_save = ", ".join(f"{k} {data.get(k, 0) + commit.get(k, 0)}" for k in kinds)
+    writes = ranks * sum(data.get(k, 0) for k in WRITES) + sum(commit.get(k, 0) for k in WRITES)
+    return (f"requests/save: {per_save}, retries {report.get('retries', 0)}; {ranks:,} ranks: {writes:,} writes/save, "
+            f">= {writes / PREFIX_WRITES_PER_S:.1f}s at {PREFIX_WRITES_PER_S:,} writes/s per prefix")
 
 
 def check_safetensors_dir(path: str) -> str:

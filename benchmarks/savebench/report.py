@@ -90,6 +90,7 @@ def compute_ratios(results: list[MethodResult], state_bytes: int) -> list[Ratio]
     trained_blk = first.first_trained.blocked_s if first and first.first_trained else None
     proc_dur, nock_dur = get("asyncckpt process", "durable"), get("asyncckpt no-checksums", "durable")
     s3_dur = get("asyncckpt s3", "durable")
+    proxy_dur, faulty_dur = get("asyncckpt s3 proxy", "durable"), get("asyncckpt s3 1% 503", "durable")
     return [
         Ratio("asyncckpt blocked / memcpy", div(ack_blk, get("memcpy", "blocked")), "<= 1.5",
               f"{fmt(ack_blk)}s / {fmt(get('memcpy', 'blocked'))}s"),
@@ -112,6 +113,8 @@ def compute_ratios(results: list[MethodResult], state_bytes: int) -> list[Ratio]
               f"{fmt(ack_dur)}s vs {fmt(nock_dur)}s"),
         Ratio("s3 / local disk throughput", div(ack_dur, s3_dur), "info",
               f"durable to local S3 server {fmt(s3_dur)}s, to local disk {fmt(ack_dur)}s (asyncckpt thread)"),
+        Ratio("s3 throughput with 1% 503 SlowDown / without", div(proxy_dur, faulty_dur), ">= 0.8",
+              f"durable {fmt(faulty_dur)}s with, {fmt(proxy_dur)}s without (both through the fault proxy)"),
         Ratio("slowdown nice0 / nice10", div(get("asyncckpt nice0", "slowdown"), get("asyncckpt thread", "slowdown")),
               ">= 1", f"{fmt(get('asyncckpt nice0', 'slowdown'), '.2f')} vs "
                       f"{fmt(get('asyncckpt thread', 'slowdown'), '.2f')}"),

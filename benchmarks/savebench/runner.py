@@ -358,4 +358,8 @@ def make_method(name: str, state: dict[str, Any], root: str, state_bytes: int) -
         return AsyncCkpt(state, workdir, name, variants[name])
     if name == "asyncckpt s3":
         return AsyncCkptS3(state, workdir, name)
+    if name == "asyncckpt s3 proxy":  # through the fault proxy, no fault: the baseline of the next row
+        return AsyncCkptS3(state, workdir, name, slowdown_rate=0.0)
+    if name == "asyncckpt s3 1% 503":
+        return AsyncCkptS3(state, workdir, name, slowdown_rate=0.01)
     raise ValueError(f"unknown method {name!r}; known: {', '.join(ALL_METHODS)}")
