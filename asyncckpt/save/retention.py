@@ -175,7 +175,9 @@ class Janitor:
                 if not free:
                     continue
                 for upload in uploads:
-                    if before is None or (upload.initiated is not None and upload.initiated < before):
+                    # <=: stores keep these times to the second, so a leftover begun in the second of
+                    # the commit counts (a save writing now has its directory claimed: skipped above)
+                    if before is None or (upload.initiated is not None and upload.initiated <= before):
                         storage.abort_upload(upload)
                         log.info("aborted the multipart upload of %s left open by a failed save", upload.path)
 
