@@ -90,7 +90,7 @@ class AsyncCkptS3(AsyncCkpt):
         self.server = None
         self.front = None
         self.slowdown_rate = slowdown_rate
-        self.profile = ""  # the msc profile through the proxy; "" for s3:// straight to the server
+        self.profile = ""  # this instance's msc profile: to the server, or through the proxy
         self.bucket = ""
         self._saved_env: dict[str, Optional[str]] = {}
 
@@ -110,14 +110,16 @@ class AsyncCkptS3(AsyncCkpt):
         self.bucket = s3_server.BUCKET
         self.server.create_bucket(self.bucket)
         endpoint, profiles = self.server.endpoint, {s3_server.PROFILE: self.server.endpoint}
+        # a profile of its own for every instance: msc keeps the s3:// client of an earlier server
+        # (the row's first instance, or another row), at that server's address
+        self.profile = f"bench-{uuid.uuid4().hex[:8]}"
+        profiles[self.profile] = endpoint
         if self.slowdown_rate is not None:
             from asyncckpt.testing.s3_faults import Fault, FaultyS3
 
             self.front = FaultyS3(endpoint, seed=0)
             if self.slowdown_rate > 0:
                 self.front.inject(Fault("slowdown", rate=self.slowdown_rate))
-            # a profile of its own: msc keeps the s3:// client of an earlier row, at its server's address
-            self.profile = f"bench-{uuid.uuid4().hex[:8]}"
             profiles[self.profile] = self.front.endpoint
         config_path = os.path.join(self.workdir, "msc_config.yaml")
         s3_server.write_msc_config(config_path, profiles)
