@@ -16,10 +16,8 @@ from __future__ import annotations
 
 import os
 import random
-import select
 import subprocess
 import sys
-import textwrap
 import time
 
 import psutil
@@ -29,6 +27,7 @@ import torch
 from asyncckpt import AsyncCheckpointer, CheckpointConfig, cleanup, latest_checkpoint, load, verify_checkpoint
 from asyncckpt.layout import list_checkpoints, read_latest_marker
 from conftest import REPO, stress_size, wait_gone
+from zygote import read_line, zygote_script
 
 ITERATIONS = stress_size("CRASHES", ci=8, full=20)
 TENSORS, NUMEL = 4, 1 << 18  # 4 x 2 MiB of float64
@@ -44,7 +43,7 @@ def expected_state(step: int) -> dict:
     }
 
 
-ZYGOTE = textwrap.dedent(
+ZYGOTE = zygote_script(
     f"""
     import os, random, signal, sys, time, traceback
     import torch
@@ -77,41 +76,8 @@ ZYGOTE = textwrap.dedent(
             ckpt.finalize()
             step += 1
 
-    go = {{}}  # trainer pid -> write end of its go pipe
-    for line in sys.stdin:
-        command, *args = line.split()
-        if command == "spawn":
-            read_fd, write_fd = os.pipe()
-            sys.stdout.flush()
-            pid = os.fork()
-            if pid == 0:
-                try:
-                    for fd in [write_fd, *go.values()]:
-                        os.close(fd)
-                    train(*args, read_fd)
-                except BaseException:
-                    traceback.print_exc()  # to trainers.stderr: os._exit below would swallow it
-                finally:
-                    sys.stderr.flush()
-                    os._exit(1)
-            os.close(read_fd)
-            go[pid] = write_fd
-            print("spawned", pid, flush=True)
-        elif command == "go":
-            os.write(go[int(args[0])], b"g")
-        elif command == "reap":
-            pid = int(args[0])
-            os.close(go.pop(pid))
-            _, status = os.waitpid(pid, 0)
-            print("exited", pid, status, flush=True)
     """
 )
-
-
-def read_line(stream, timeout_s: float) -> list[str]:
-    ready, _, _ = select.select([stream], [], [], timeout_s)
-    assert ready, f"no line from the zygote within {timeout_s}s"
-    return stream.readline().split()
 
 
 def zeros_like(state: dict) -> dict:

@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import os
 import random
-import select
 import subprocess
 import sys
-import textwrap
 import time
 
 import pytest
@@ -23,10 +21,11 @@ import pytest
 from asyncckpt import verify_checkpoint
 from asyncckpt.layout import list_checkpoints
 from conftest import REPO, stress_size
+from zygote import read_line, zygote_script
 
 KILLS = stress_size("MEMORY_KILLS", ci=4, full=24)
 
-ZYGOTE = textwrap.dedent(
+ZYGOTE = zygote_script(
     """
     import os, sys, traceback
     import torch
@@ -62,41 +61,8 @@ ZYGOTE = textwrap.dedent(
             ckpt.finalize()
             step += 1
 
-    go = {}
-    for line in sys.stdin:
-        command, *args = line.split()
-        if command == "spawn":
-            read_fd, write_fd = os.pipe()
-            sys.stdout.flush()
-            pid = os.fork()
-            if pid == 0:
-                try:
-                    for fd in [write_fd, *go.values()]:
-                        os.close(fd)
-                    train(*args, read_fd)
-                except BaseException:
-                    traceback.print_exc()
-                finally:
-                    sys.stderr.flush()
-                    os._exit(1)
-            os.close(read_fd)
-            go[pid] = write_fd
-            print("spawned", pid, flush=True)
-        elif command == "go":
-            os.write(go[int(args[0])], b"g")
-        elif command == "reap":
-            pid = int(args[0])
-            os.close(go.pop(pid))
-            _, status = os.waitpid(pid, 0)
-            print("exited", pid, status, flush=True)
     """
 )
-
-
-def read_line(stream, timeout_s: float) -> list[str]:
-    ready, _, _ = select.select([stream], [], [], timeout_s)
-    assert ready, f"no line from the zygote within {timeout_s}s"
-    return stream.readline().split()
 
 
 @pytest.mark.slow
