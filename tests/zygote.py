@@ -6,7 +6,9 @@ milliseconds, so a loop can kill dozens of them within CI's time."""
 
 from __future__ import annotations
 
+import os
 import select
+import subprocess
 import textwrap
 
 SERVE = """
@@ -51,3 +53,20 @@ def read_line(stream, timeout_s: float) -> list[str]:
     ready, _, _ = select.select([stream], [], [], timeout_s)
     assert ready, f"no line from the zygote within {timeout_s}s"
     return stream.readline().split()
+
+
+def stop_zygote(zygote: subprocess.Popen, trainers) -> None:
+    """Kill the trainers still alive (only if a check failed) and end the zygote, never leaving it
+    running past the test."""
+    for pid in trainers:
+        if pid is not None:
+            try:
+                os.kill(pid, 9)
+            except ProcessLookupError:
+                pass
+    zygote.stdin.close()
+    try:
+        zygote.wait(30)
+    except subprocess.TimeoutExpired:
+        zygote.kill()
+        zygote.wait(5)

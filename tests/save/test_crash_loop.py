@@ -27,7 +27,7 @@ import torch
 from asyncckpt import AsyncCheckpointer, CheckpointConfig, cleanup, latest_checkpoint, load, verify_checkpoint
 from asyncckpt.layout import list_checkpoints, read_latest_marker
 from conftest import REPO, stress_size, wait_gone
-from zygote import read_line, zygote_script
+from zygote import read_line, stop_zygote, zygote_script
 
 ITERATIONS = stress_size("CRASHES", ci=8, full=20)
 TENSORS, NUMEL = 4, 1 << 18  # 4 x 2 MiB of float64
@@ -166,18 +166,7 @@ def test_trainer_killed_at_random_points_always_leaves_a_loadable_committed_late
             last_step = step
     finally:
         reader.close()
-        for pid in (trainer_pid, next_trainer):  # alive only if a check above failed
-            if pid is not None:
-                try:
-                    os.kill(pid, 9)
-                except ProcessLookupError:
-                    pass
-        zygote.stdin.close()
-        try:
-            zygote.wait(30)
-        except subprocess.TimeoutExpired:  # not left running past the test
-            zygote.kill()
-            zygote.wait(5)
+        stop_zygote(zygote, (trainer_pid, next_trainer))
     print(f"\n{ITERATIONS} kills in {time.monotonic() - started:.1f}s")
     print("iteration, io, go to first save staged s, kill delay s, latest step, writer children at kill, worker gone after s, torn dirs")
     for row in history:

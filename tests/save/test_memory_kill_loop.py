@@ -21,7 +21,7 @@ import pytest
 from asyncckpt import verify_checkpoint
 from asyncckpt.layout import list_checkpoints
 from conftest import REPO, stress_size
-from zygote import read_line, zygote_script
+from zygote import read_line, stop_zygote, zygote_script
 
 KILLS = stress_size("MEMORY_KILLS", ci=4, full=24)
 
@@ -117,18 +117,7 @@ def test_every_restart_resumes_from_memory_at_the_newest_staged_save(tmp_path, m
             floor = staged[-1]
             history.append((n, resumed, round(delay, 2), floor))
     finally:
-        for pid in (trainer, next_trainer):
-            if pid is not None:
-                try:
-                    os.kill(pid, 9)
-                except ProcessLookupError:
-                    pass
-        zygote.stdin.close()
-        try:
-            zygote.wait(30)
-        except subprocess.TimeoutExpired:
-            zygote.kill()
-            zygote.wait(5)
+        stop_zygote(zygote, (trainer, next_trainer))
     print("\nkill, resumed, kill delay s, last staged:", history)
     for info in list_checkpoints(root):
         if info.committed:
