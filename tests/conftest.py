@@ -137,6 +137,26 @@ class Payload:
         return (os.mkdir, (self.marker,))
 
 
+def flip_byte(path: str, offset: int) -> None:
+    """Damage one byte of a file in place (the stand-in for a bit flip on disk)."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x5A]))
+
+
+def damaged_copy(checkpoint: str, dest: str, fqn: str) -> str:
+    """A copy of the local checkpoint directory `checkpoint` in `dest` whose item `fqn` has one
+    byte flipped in the middle of its bytes."""
+    from asyncckpt.loading.opened import open_checkpoint
+
+    shutil.copytree(checkpoint, dest)
+    info = next(i for index, i in open_checkpoint(dest).metadata.storage_data.items() if index.fqn == fqn)
+    flip_byte(os.path.join(dest, info.relative_path), info.offset + info.length // 2)
+    return dest
+
+
 def rewrite_metadata(path: str, change) -> None:
     """Replace a checkpoint's `.metadata` with `change(metadata)` pickled (the test trusts its own files)."""
     file = os.path.join(path, ".metadata")

@@ -12,7 +12,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from asyncckpt import AsyncCheckpointer, CheckpointConfig, PartialLoadError, load
-from asyncckpt.loading.opened import open_checkpoint
+from conftest import damaged_copy
 from multirank import run_ranks
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")]
@@ -65,17 +65,7 @@ def test_the_targets_dtype_is_kept(saved):
 
 
 def test_a_checksum_failure_mid_stream_raises_partial_load_error(saved, tmp_path):
-    damaged = str(tmp_path / "damaged")
-    os.makedirs(damaged)
-    for name in os.listdir(saved):
-        with open(os.path.join(saved, name), "rb") as f, open(os.path.join(damaged, name), "wb") as out:
-            out.write(f.read())
-    info = next(i for index, i in open_checkpoint(damaged).metadata.storage_data.items() if index.fqn == "big")
-    with open(os.path.join(damaged, info.relative_path), "r+b") as f:
-        f.seek(info.offset + info.length // 2)
-        byte = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([byte[0] ^ 0xFF]))
+    damaged = damaged_copy(saved, str(tmp_path / "damaged"), "big")  # one byte flipped mid-tensor
     with pytest.raises(PartialLoadError, match=r"big.*checksum mismatch.*PARTLY LOADED"):
         load(on_cuda(state()), damaged, no_dist=True, ring_bytes=SMALL_RING)
 

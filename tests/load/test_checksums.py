@@ -13,7 +13,7 @@ import torch
 
 from asyncckpt import AsyncCheckpointer, CheckpointConfig, CheckpointError, PartialLoadError, load
 from asyncckpt.loading.load import PARTLY_LOADED, verify_checkpoint
-from conftest import assert_state_equal, clone_state, step_path, zeros_like_state
+from conftest import flip_byte, assert_state_equal, clone_state, step_path, zeros_like_state
 
 
 
@@ -32,14 +32,6 @@ def checksum_record(path: str, fqn: str) -> dict:
     doc = json.load(open(os.path.join(path, ".checksums.json")))
     [record] = [r for r in doc["items"] if r["fqn"] == fqn]
     return record
-
-
-def flip_byte(path: str, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        byte = f.read(1)
-        f.seek(offset)
-        f.write(bytes([byte[0] ^ 0x5A]))
 
 
 @pytest.mark.parametrize("io", ["thread", "process"])

@@ -18,7 +18,7 @@ import torch
 import asyncckpt.loading.reader as reader
 import asyncckpt.loading.ring as ring
 from asyncckpt import AsyncCheckpointer, CheckpointConfig, PartialLoadError, load
-from asyncckpt.loading.opened import open_checkpoint
+from conftest import damaged_copy
 
 SMALL_RING = 16 << 10  # two 8 KiB slots: every tensor below is several pieces
 
@@ -154,17 +154,7 @@ def test_slots_are_reused_only_once_their_copy_finished(saved, through_the_ring,
 def test_a_checksum_failure_mid_stream_raises_partial_load_error(saved, tmp_path, through_the_ring, monkeypatch):
     cuda = StandInCuda()
     monkeypatch.setattr(reader, "copy_step_for", lambda targets: ring.CudaCopy(cuda, pin=False))
-    damaged = str(tmp_path / "damaged")
-    os.makedirs(damaged)
-    for name in os.listdir(saved):
-        with open(os.path.join(saved, name), "rb") as f, open(os.path.join(damaged, name), "wb") as out:
-            out.write(f.read())
-    info = next(i for index, i in open_checkpoint(damaged).metadata.storage_data.items() if index.fqn == "big")
-    with open(os.path.join(damaged, info.relative_path), "r+b") as f:
-        f.seek(info.offset + info.length // 2)  # the middle of the tensor's bytes
-        byte = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([byte[0] ^ 0xFF]))
+    damaged = damaged_copy(saved, str(tmp_path / "damaged"), "big")  # one byte flipped mid-tensor
     with pytest.raises(PartialLoadError, match=r"big.*checksum mismatch.*PARTLY LOADED"):
         load(zeros(state()), damaged, no_dist=True, ring_bytes=SMALL_RING)
 
