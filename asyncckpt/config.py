@@ -53,6 +53,10 @@ class CheckpointConfig:
         Needs a root; not with staging_budget_bytes (the slab must hold the whole state).
     memory_dir: where the memory tier's files live (a tmpfs: /dev/shm by default).
     memory_keep: a clean `close()` leaves the memory tier's file in place (removed by default).
+    prefixes: spread each save's data files over this many data folders of the step directory
+        (rank r's in `p{r % prefixes}`), each a key prefix of its own on an object store; 1: every
+        file directly in the step directory. None (default): on an object store, as many as keep
+        every folder under 3,500 writes per save (layout.prefix_count); on a filesystem, 1.
     """
 
     io: str = "thread"
@@ -75,6 +79,7 @@ class CheckpointConfig:
     memory_tier: bool = False
     memory_dir: str = "/dev/shm"
     memory_keep: bool = False
+    prefixes: Optional[int] = None
 
     def __post_init__(self) -> None:
         for name, allowed in _CHOICES.items():
@@ -86,6 +91,8 @@ class CheckpointConfig:
             _require_int(self, "keep_last", minimum=1)
         if self.staging_budget_bytes is not None:
             _require_int(self, "staging_budget_bytes", minimum=1 << 20)
+        if self.prefixes is not None:
+            _require_int(self, "prefixes", minimum=1)
         if self.worker_nice is not None:
             _require_int(self, "worker_nice", minimum=0)
         for name in ("timeout_s", "worker_start_timeout_s"):

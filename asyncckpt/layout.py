@@ -28,8 +28,10 @@ LOCK_FILE = ".asyncckpt.lock"  # in a root (or a folder the doors save into): wh
 # A save's data files are `__{rank}_{n}{tag}.distcp` (torch_save) or `.safetensors`. The tag is
 # empty, or "." and 8 hex digits when the save replaces a committed checkpoint of the same step:
 # its files then get other names, and the old checkpoint stays whole until the new one commits.
+# With prefix spreading a rank's data files lie in a data folder of the step directory (below):
+# their names, relative to the step directory, are then `p07/__7_0.distcp`.
 _DATA_FILE = re.compile(
-    rf"^__\d+_\d+(?P<tag>\.[0-9a-f]{{8}})?({re.escape(TORCH_SAVE_SUFFIX)}|{re.escape(SAFETENSORS_SUFFIX)})$"
+    rf"^(p\d{{2,}}/)?__\d+_\d+(?P<tag>\.[0-9a-f]{{8}})?({re.escape(TORCH_SAVE_SUFFIX)}|{re.escape(SAFETENSORS_SUFFIX)})$"
 )
 
 
@@ -44,9 +46,56 @@ def new_file_tag() -> str:
 
 
 def is_data_file(name: str, tag: Optional[str] = None) -> bool:
-    """Whether `name` is a data file a save writes (and, when `tag` is given, one with that tag)."""
+    """Whether `name` (relative to its step directory) is a data file a save writes (and, when
+    `tag` is given, one with that tag)."""
     match = _DATA_FILE.match(name)
     return match is not None and (tag is None or (match.group("tag") or "") == tag)
+
+
+# prefix spreading ----------------------------------------------------------------------------------
+# S3 takes about 3,500 writes/s per key prefix (more makes it answer 503 SlowDown). A save of many
+# ranks can spread its data files over `prefixes` data folders right after the step directory:
+# rank r's files go to `p{r % prefixes}` (`step_00000100/p07/__7_0.distcp`), so each folder is a
+# prefix of its own. `.metadata`, the sidecar and `latest` stay where they are; `.metadata` names
+# each file by its path relative to the step directory, which stock DCP readers join as given.
+WRITES_PER_PREFIX = 3500  # no data folder gets more writes than this in one save
+_DATA_FOLDER = re.compile(r"^p\d{2,}$")
+
+
+def prefix_count(ranks: int, writes_per_rank: int) -> int:
+    """Data folders for a save of `ranks` ranks issuing at most `writes_per_rank` write requests
+    each: few enough that a rank's files stay together, enough that no folder gets more than
+    WRITES_PER_PREFIX writes, so even a save that ends within a second is not throttled. 1: none."""
+    per_folder = max(1, WRITES_PER_PREFIX // max(writes_per_rank, 1))  # whole ranks per folder
+    return max(1, min(ranks, -(-ranks // per_folder)))
+
+
+def data_folder(rank: int, prefixes: int) -> str:
+    """The data folder of `rank`'s files when a save is spread over `prefixes` ("": none)."""
+    if prefixes <= 1:
+        return ""
+    return f"p{rank % prefixes:0{max(2, len(str(prefixes - 1)))}d}"
+
+
+def in_folder(folder: str, name: str) -> str:
+    """A data file's name relative to its step directory."""
+    return f"{folder}/{name}" if folder else name
+
+
+def is_data_folder(name: str) -> bool:
+    return bool(_DATA_FOLDER.match(name))
+
+
+def list_files(storage: Storage, path: str) -> list[str]:
+    """The names in a checkpoint directory, each data folder's files as `pNN/name` instead of the
+    folder (an empty data folder lists as nothing)."""
+    names = []
+    for name in storage.list_dir(path):
+        if is_data_folder(name) and storage.is_dir(storage.join(path, name)):
+            names += [in_folder(name, inner) for inner in storage.list_dir(storage.join(path, name))]
+        else:
+            names.append(name)
+    return names
 
 
 def is_safetensors_file(name: str) -> bool:

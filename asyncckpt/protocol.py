@@ -142,6 +142,7 @@ class SaveRequest:
     options: WriteOptions
     items: Optional[tuple[ItemSpec, ...]] = None
     file_tag: str = ""  # in every data file name: a save replacing a committed step never touches its files
+    data_folder: str = ""  # the folder of checkpoint_dir this rank's data files go in (layout.py: prefix spreading)
     fresh_tensors: dict[int, torch.Tensor] = field(default_factory=dict)
     byte_items: dict[int, bytes] = field(default_factory=dict)
     bases: tuple[IncrementalBase, ...] = ()  # incremental: link what did not change from these, in order

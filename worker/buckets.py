@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from asyncckpt.layout import SAFETENSORS, TORCH_SAVE, data_file_name
+from asyncckpt.layout import SAFETENSORS, TORCH_SAVE, data_file_name, in_folder
 from asyncckpt.protocol import TENSOR, ItemSpec
 
 ALIGNMENT = 64  # every staged item starts on this boundary in the staging slab
@@ -43,6 +43,7 @@ def make_buckets(
     tag: str = "",
     positions: Optional[Sequence[int]] = None,
     first: int = 0,
+    folder: str = "",
 ) -> list[Bucket]:
     """Split items into at most `io_workers` files per group, balancing bytes.
 
@@ -51,7 +52,7 @@ def make_buckets(
     deterministic for the same items and settings. With fmt="safetensors" the bucket files hold
     tensors only and every object goes into one more file, a torch_save `__{rank}_{n}.distcp` after them.
     `positions` limits the files to those items (an incremental save writes only what changed);
-    their numbers start at `first`.
+    their numbers start at `first`. With a data `folder`, every file name starts with it.
     """
     chosen = range(len(items)) if positions is None else positions
     groups: list[list[int]] = [[], []]
@@ -82,11 +83,11 @@ def make_buckets(
         buckets.extend(b for b in group if b.positions)
 
     for n, bucket in enumerate(buckets):
-        bucket.file_name = data_file_name(rank, first + n, fmt, tag)
+        bucket.file_name = in_folder(folder, data_file_name(rank, first + n, fmt, tag))
         bucket.format = fmt
     objects = [p for p in chosen if items[p].kind != TENSOR]
     if fmt == SAFETENSORS and objects:
-        name = data_file_name(rank, first + len(buckets), TORCH_SAVE, tag)
+        name = in_folder(folder, data_file_name(rank, first + len(buckets), TORCH_SAVE, tag))
         buckets.append(Bucket(name, objects, sum(object_sizes.get(p, 0) for p in objects)))
     return buckets
 

@@ -10,7 +10,7 @@ import struct
 import time
 
 from asyncckpt.formats import DCP_SHARDING_INFO
-from asyncckpt.layout import SAFETENSORS, TORCH_SAVE, data_file_name, is_safetensors_file
+from asyncckpt.layout import SAFETENSORS, TORCH_SAVE, data_file_name, in_folder, is_safetensors_file
 from asyncckpt.protocol import IncrementalBase, ItemSpec, ItemWritten
 from asyncckpt.storage import Storage
 
@@ -21,7 +21,7 @@ log = logging.getLogger("asyncckpt.worker")
 
 def reusable(
     bases: tuple[IncrementalBase, ...], items: tuple[ItemSpec, ...], digests: dict[int, bytes], storage: Storage,
-    directory: str, fmt: str, rank: int, file_tag: str, committed_here: bool, deadline: float,
+    directory: str, fmt: str, rank: int, file_tag: str, committed_here: bool, deadline: float, folder: str = "",
 ) -> tuple[set[int], dict[int, ItemWritten], int]:
     """The positions of the tensors stored unchanged in a base (same name, chunk, digest and
     format), those of them reused, with where they now lie, and how many files were linked in.
@@ -33,7 +33,7 @@ def reusable(
     reused (readers that index the headers, like DCP's HuggingFaceStorageReader, must never meet an
     old value of a changed tensor). A re-save of a base's own directory keeps its files where they
     are (the replaced save's removal spares what the new `.metadata` names); a file of another
-    directory is linked in under a name of this save's own (`__{rank}_{n}{file_tag}`, n from 0;
+    directory is linked in under a name of this save's own (`__{rank}_{n}{file_tag}` in its data `folder`, n from 0;
     the new files' numbers follow), so it never meets a file of a checkpoint committed here. A
     file that cannot be linked (its base was deleted meanwhile, another filesystem) only means its
     tensors are written again."""
@@ -64,7 +64,8 @@ def reusable(
                     continue
                 here = name
                 if base.checkpoint_dir != directory:
-                    here = data_file_name(rank, links, SAFETENSORS if is_safetensors_file(name) else TORCH_SAVE, file_tag)
+                    fmt_here = SAFETENSORS if is_safetensors_file(name) else TORCH_SAVE
+                    here = in_folder(folder, data_file_name(rank, links, fmt_here, file_tag))
                     target = storage.join(directory, here)
                     if committed_here and storage.exists(target):  # never replace a committed checkpoint's file
                         raise WriteError(target, "the save's file name is taken (a tag collision); the next save picks another")

@@ -51,11 +51,18 @@ def run_save(
     options = request.options
     if request.memory is not None and request.memory.memory_only:
         return _stage_only(request, entry, pool, rank, on_staged)
+    if request.data_folder:  # prefix spreading: this rank's files go in a folder of the step directory
+        folder = storage_for(request.checkpoint_dir).join(request.checkpoint_dir, request.data_folder)
+        try:
+            storage_for(folder).make_dir(folder, options.fsync)
+        except OSError as exc:
+            raise WriteError(folder, describe(exc)) from exc
     if options.incremental:
         return _run_incremental(request, entry, pool, writers, rank, on_staged)
     object_sizes = {pos: len(data) for pos, data in request.byte_items.items()}
     buckets = make_buckets(
-        entry.items, object_sizes, rank, options.io_workers, options.separation_hint, options.format, request.file_tag
+        entry.items, object_sizes, rank, options.io_workers, options.separation_hint, options.format, request.file_tag,
+        folder=request.data_folder,
     )
     rounds = plan_rounds(entry.items, buckets, options.staging_budget_bytes)
     views = _views(entry, pool, rounds, options.staging_budget_bytes)
@@ -138,7 +145,7 @@ def _run_incremental(
     committed_here = storage.exists(storage.join(request.checkpoint_dir, METADATA_FILE))
     unchanged, reused, links = reusable(
         request.bases, entry.items, digests, storage, request.checkpoint_dir, options.format, rank, request.file_tag,
-        committed_here, deadline,
+        committed_here, deadline, request.data_folder,
     )
     to_write = [pos for pos in everything.positions if pos not in reused]
     object_sizes = {pos: len(b) for pos, b in request.byte_items.items()}
@@ -146,10 +153,10 @@ def _run_incremental(
     # apart from the changed ones, so the next save can reuse those files whole
     settled = [pos for pos in to_write if pos in unchanged]
     buckets = make_buckets(entry.items, object_sizes, rank, options.io_workers, options.separation_hint,
-                           options.format, request.file_tag, positions=settled, first=links)
+                           options.format, request.file_tag, positions=settled, first=links, folder=request.data_folder)
     buckets += make_buckets(entry.items, object_sizes, rank, options.io_workers, options.separation_hint,
                             options.format, request.file_tag, positions=[p for p in to_write if p not in unchanged],
-                            first=links + len(buckets))
+                            first=links + len(buckets), folder=request.data_folder)
     # a fresh 32-bit tag meeting the name of a file a committed checkpoint uses (one reused here, or
     # one of the checkpoint this save replaces): fail rather than write over it. A torn save's
     # leftovers are fair game.

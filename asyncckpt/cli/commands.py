@@ -56,13 +56,13 @@ def _open_dir(path: str) -> tuple[Storage, str]:
 
 def _kind(storage: Storage, path: str) -> str:
     """"checkpoint" (committed), "torn" (a step directory without .metadata), "root" or "other"."""
-    from ..layout import is_data_file
+    from ..layout import is_data_file, is_data_folder
     from ..layout import LATEST_FILE, METADATA_FILE, list_checkpoints, parse_step
 
     if storage.exists(storage.join(path, METADATA_FILE)):
         return "checkpoint"
     names = storage.list_dir(path)
-    if parse_step(os.path.basename(path)) is not None or any(is_data_file(n) for n in names):
+    if parse_step(os.path.basename(path)) is not None or any(is_data_file(n) or is_data_folder(n) for n in names):
         return "torn"
     if LATEST_FILE in names or list_checkpoints(path, storage):
         return "root"
@@ -205,11 +205,11 @@ def _ls_state(storage: Storage, info) -> tuple[str, Optional[str]]:
 
 def _ls_row(storage: Storage, info, state: str, latest: Optional[str]) -> list:
     """One table row (and, last, the size in bytes); a save in flight may change files meanwhile."""
-    from ..layout import METADATA_FILE
+    from ..layout import METADATA_FILE, list_files
 
     size, count, age = 0, 0, None
     try:
-        for name in storage.list_dir(info.path):
+        for name in list_files(storage, info.path):
             file = storage.join(info.path, name)
             if storage.exists(file):
                 size, count = size + storage.size(file), count + 1

@@ -31,7 +31,7 @@ from ..errors import CheckpointError
 from .held_saves import HeldSaves
 from ..loading.load import load
 from ..loading.opened import open_checkpoint
-from ..layout import METADATA_FILE, is_checkpoint_file
+from ..layout import METADATA_FILE, is_checkpoint_file, list_files
 from .nested import flatten_exact, map_tensors, unflatten_exact
 from ..storage import is_remote, storage_for
 
@@ -212,7 +212,7 @@ def _uncommit_checkpoint_dir(target: str) -> bool:
     if not storage.is_dir(target):
         log.debug("remove_checkpoint: %s does not exist", target)
         return False
-    names = storage.list_dir(target)
+    names = list_files(storage, target)
     foreign = [n for n in names if not is_checkpoint_file(n) or storage.is_dir(storage.join(target, n))]
     if foreign or not names:
         what = f"it holds {', '.join(sorted(foreign)[:3])}, which a save does not write" if foreign else "it is empty"

@@ -21,7 +21,10 @@ from ..formats import CHECKSUM_ALGORITHM, Sidecar
 from .opened import OpenCheckpoint, as_open, read_metadata
 from .ring import check_ring_bytes
 from .safe_reader import SafeLoadPlanner, SafeReader
-from ..layout import METADATA_FILE, SIDECAR_NAME, CheckpointInfo, is_data_file, is_temp_file, latest_checkpoint, list_checkpoints, parse_step
+from ..layout import (
+    METADATA_FILE, SIDECAR_NAME, CheckpointInfo, is_data_file, is_data_folder, is_temp_file, latest_checkpoint, list_checkpoints,
+    list_files, parse_step,
+)
 from ..storage import OpenUpload, is_remote, storage_for
 from .verify import UNCHECKED_HINT, check_items, sidecar_belongs_to, stale_sidecars
 
@@ -169,12 +172,15 @@ def unreferenced_files(path: str, names: list[str]) -> list[str]:
 def uploads_left_open(
     uploads: list[OpenUpload], step_dir: Optional[str] = None, root: Optional[str] = None
 ) -> dict[str, list[OpenUpload]]:
-    """The uploads of data files (our names) directly in `step_dir` or in any ROOT/step_N of
-    `root`, grouped by directory; nothing else (another job's root nested under ours, files of
-    other names) is ours to abort."""
+    """The uploads of data files (our names) in `step_dir` or in any ROOT/step_N of `root`
+    (directly or in a data folder), grouped by step directory; nothing else (another job's root
+    nested under ours, files of other names) is ours to abort."""
     found: dict[str, list[OpenUpload]] = {}
     for upload in uploads:
         directory, _, name = upload.path.rpartition("/")
+        if is_data_folder(directory.rpartition("/")[2]):  # step_N/p07/__7_0.distcp
+            directory, _, folder = directory.rpartition("/")
+            name = f"{folder}/{name}"
         parent, _, dir_name = directory.rpartition("/")
         ours = (step_dir is not None and directory == step_dir.rstrip("/")) or (
             root is not None and parent == root.rstrip("/") and parse_step(dir_name) is not None
@@ -203,7 +209,7 @@ def cleanup(root: str, dry_run: bool = False) -> list[str]:
     uploads = [u for found in uploads_left_open(storage.open_uploads(root), root=root).values() for u in found]
     leftovers = [storage.join(root, name) for name in storage.list_dir(root) if is_temp_file(name)]
     for info in list_checkpoints(root, storage):
-        names = storage.list_dir(info.path)
+        names = list_files(storage, info.path)
         if info.committed:
             leftovers += [storage.join(info.path, n) for n in names if is_temp_file(n)]
             leftovers += [storage.join(info.path, n) for n in unreferenced_files(info.path, names)]

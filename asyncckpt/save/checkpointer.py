@@ -31,6 +31,7 @@ from .inflight import InFlightSave
 from .job_lock import FolderLocks, parent_folder, take_root
 from .memory_tier import MemoryTier
 from .planning import Planning
+from .prefixes import data_folder_for, expected_writes
 from .rank_worker import RankWorker
 from .ranks import RankGroup, finalize_bound_s
 from .retention import Janitor, discard_uncommitted, is_dir_or_unknown, raise_start_failure
@@ -138,7 +139,7 @@ class AsyncCheckpointer:
 
         storage = storage_for(step_dir)
         label = f"step {step}" if name is not None else f"checkpoint {step_dir!r}"
-        local, problem, overwrite, created, in_our_folder = None, None, False, False, False
+        local, problem, overwrite, created, in_our_folder, writes = None, None, False, False, False, 0
         try:
             if self._group.is_coordinator:  # before anything is written: the folder may be another job's
                 self._folders.check()
@@ -153,12 +154,13 @@ class AsyncCheckpointer:
                 storage.prepare_dir(step_dir, self.config.fsync)  # proves it writable first; its entry durable
                 overwrite = self._group.is_coordinator and storage.exists(storage.join(step_dir, METADATA_FILE))
             local = self._planning.local(state_dict, self._group.is_coordinator)
+            writes = 0 if memory_only else expected_writes(self.config, storage, step_dir, local.plan)  # spreading
         except OSError as exc:
             problem = CheckpointError(f"checkpoint directory {step_dir!r} is not usable: {exc}")
         except Exception as exc:  # every rank must reach the agreement, whatever went wrong here
             problem = exc
-        changed, overwrite_any, failed = self._group.agree(
-            [local is None or self._planning.changed(local), int(overwrite), int(problem is not None)],
+        changed, overwrite_any, failed, writes = self._group.agree(
+            [local is None or self._planning.changed(local), int(overwrite), int(problem is not None), writes],
             "schedule_save", -1 if step is None else step,
         )
         owns_dir = (name is not None or created) and not memory_only
@@ -177,6 +179,7 @@ class AsyncCheckpointer:
             backpressure_s=backpressure_s, collectives_before=collectives_before, file_tag=file_tag,
             label=label, owns_dir=owns_dir, replaces=bool(overwrite_any),
             base_dirs=tuple(base.checkpoint_dir for base in bases), requests_before=requests_before,
+            data_folder=data_folder_for(self.config, self._group.rank, self._group.size, writes, step_dir),
             memory=self._memory.next_save(planned, step, memory_only) if self._memory is not None else None,
         )
         try:

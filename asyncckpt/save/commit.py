@@ -181,6 +181,8 @@ def commit_checkpoint(storage: Storage, target: SaveTarget, written: list[ItemWr
     metadata_path, payload = storage.join(step_dir, METADATA_FILE), pickle.dumps(final)
     try:
         if fsync:
+            for folder in sorted({w.relative_path.rpartition("/")[0] for w in written} - {""}):  # data folders
+                storage.sync_dir(storage.join(step_dir, folder))
             storage.sync_dir(step_dir)  # every data file's entry is durable before the commit
         storage.write_atomic(metadata_path, payload, fsync=fsync)
     except Exception as exc:

@@ -96,7 +96,7 @@ def base_from_checkpoint(path: str, rank: int) -> Optional[IncrementalBase]:
     for entry in sidecar.items:
         index = ItemIndex(entry.fqn, tuple(entry.offset) if entry.offset is not None else None)
         info = stored.get(index.to_dcp())
-        if (entry.digest is None or not entry.relative_path.startswith(own) or info is None
+        if (entry.digest is None or not entry.relative_path.rpartition("/")[2].startswith(own) or info is None
                 or (info.relative_path, info.offset, info.length) != (entry.relative_path, entry.start, entry.length)):
             continue
         items.append(ItemWritten(index, entry.relative_path, entry.start, entry.length, entry.crc32, entry.digest))

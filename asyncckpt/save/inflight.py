@@ -40,6 +40,7 @@ class InFlightSave:
     base_dirs: tuple[str, ...] = ()  # incremental: the checkpoints whose files it may reuse
     memory: Optional[MemorySave] = None  # the memory tier's record of it (memory_only: not written)
     requests_before: dict = field(default_factory=dict)  # this process's object-store requests before the save
+    data_folder: str = ""  # this rank's data files go in this folder of step_dir (layout.py: prefix spreading)
 
     def report(self, rank: int, verdict: Verdict, outcome: RankOutcome, collectives_now: int) -> SaveReport:
         """The figures of this save, once committed."""

@@ -121,7 +121,8 @@ class RankWorker:
     def send(self, flight: InFlightSave, snapshot: Snapshot, bases: tuple[IncrementalBase, ...], slot: int = 0) -> None:
         """Hand the save to the worker: the structure key, and only the tensors it does not hold
         (in cache `slot`)."""
-        request = self.request_for(snapshot, flight.step_dir, flight.file_tag, bases, slot, memory=flight.memory)
+        request = self.request_for(snapshot, flight.step_dir, flight.file_tag, bases, slot, memory=flight.memory,
+                                   data_folder=flight.data_folder)
         for device in snapshot.cuda_devices:  # the worker must see finished values
             torch.cuda.synchronize(device)
         self._client.send(request, self.config.timeout_s)
@@ -133,7 +134,7 @@ class RankWorker:
 
     def request_for(
         self, snapshot: Snapshot, step_dir: str, file_tag: str, bases: tuple[IncrementalBase, ...] = (), slot: int = 0,
-        prepare_only: bool = False, memory: Optional[MemorySave] = None,
+        prepare_only: bool = False, memory: Optional[MemorySave] = None, data_folder: str = "",
     ) -> SaveRequest:
         held = self._holds[slot] if self.config.cache_structure else None
         send = tensors_to_send(snapshot, held)
@@ -149,6 +150,7 @@ class RankWorker:
             fresh_tensors=send.fresh,
             byte_items=snapshot.objects,
             file_tag=file_tag,
+            data_folder=data_folder,
             bases=bases,
             kept_from=held.structure_key if send.kept else "",
             kept_tensors=send.kept,

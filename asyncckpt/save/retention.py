@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Iterator, Optional
 
 from ..errors import CheckpointError, CheckpointTimeoutError
-from ..layout import SIDECAR_NAME, is_data_file
+from ..layout import SIDECAR_NAME, is_data_file, is_data_folder, list_files
 from ..loading.load import unreferenced_files, uploads_left_open
 from ..loading.safe_reader import read_metadata
 from ..layout import METADATA_FILE, list_checkpoints, read_latest_marker
@@ -193,15 +193,17 @@ def discard_uncommitted(storage: Storage, step_dir: str, file_tag: str = "", own
             if owns_dir:
                 storage.remove_tree(step_dir)
                 return
-            for name in storage.list_dir(step_dir):
+            for name in list_files(storage, step_dir):
                 if is_data_file(name) or SIDECAR_NAME.match(name):
                     storage.remove_file(storage.join(step_dir, name))
+            _remove_empty_data_folders(storage, step_dir)
             storage.remove_empty_dir(step_dir)
         elif file_tag:  # the committed checkpoint stays; so do files its .metadata names (ours, if
             used = _referenced_files(step_dir)  # the commit failed after publishing it)
-            for name in storage.list_dir(step_dir):
+            for name in list_files(storage, step_dir):
                 if is_data_file(name, tag=file_tag) and name not in used:
                     storage.remove_file(storage.join(step_dir, name))
+            _remove_empty_data_folders(storage, step_dir)
     except (OSError, CheckpointError) as exc:
         log.warning("could not remove uncommitted files in %s: %s", step_dir, exc)
 
@@ -229,9 +231,17 @@ def _referenced_files(step_dir: str) -> set[str]:
 def remove_replaced_files(storage: Storage, step_dir: str) -> None:
     """After a save replaced a committed checkpoint: delete the data files and sidecar of the old one
     (whatever the committed `.metadata` does not name)."""
-    for name in unreferenced_files(step_dir, storage.list_dir(step_dir)):
+    for name in unreferenced_files(step_dir, list_files(storage, step_dir)):
         storage.remove_file(storage.join(step_dir, name))
         log.debug("removed %s of a replaced save of %s", name, step_dir)
+    _remove_empty_data_folders(storage, step_dir)
+
+
+def _remove_empty_data_folders(storage: Storage, step_dir: str) -> None:
+    """Data folders (prefix spreading) whose files all went; a filesystem keeps empty ones."""
+    for name in storage.list_dir(step_dir):
+        if is_data_folder(name):
+            storage.remove_empty_dir(storage.join(step_dir, name))
 
 
 def retention_candidates(storage: Storage, root: str, keep_last: int) -> list[str]:

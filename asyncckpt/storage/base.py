@@ -129,6 +129,15 @@ class Storage(ABC):
         """Remove `path` if it is an empty directory; leave anything else alone. Never raises
         for a directory that is not empty or not there."""
 
+    def make_dir(self, path: str, fsync: bool = True) -> None:
+        """Create `path`, a data folder inside a checkpoint directory a save prepared; with
+        `fsync`, its entry made durable. Nothing to do where the backend has no directories."""
+
+    def writes_to_upload(self, path: str, nbytes: int) -> int:
+        """Write requests a data file of `nbytes` at `path` costs (object stores: one PUT, or a
+        multipart upload's create, parts and complete); 1 where nothing is counted."""
+        return 1
+
     supports_links = False  # `link` works: an incremental save reuses unchanged files through it
 
     def link(self, source: str, path: str) -> None:

@@ -86,6 +86,16 @@ class LocalStorage(Storage):
                 reason = "a path component is a file, not a directory"
             raise CheckpointError(f"checkpoint directory {path!r} is not writable: {reason}") from exc
 
+    def make_dir(self, path: str, fsync: bool = True) -> None:
+        if os.path.islink(path):  # never write a checkpoint's files through a planted symlink
+            raise CheckpointError(f"{path!r} is a symlink; refusing to write a checkpoint through it")
+        try:
+            os.mkdir(path, 0o755)
+        except FileExistsError:
+            return
+        if fsync:
+            self.sync_dir(os.path.dirname(path))
+
     def create(self, path: str, fsync: bool = True, timeout_s: float = 600.0) -> WriteHandle:
         return _LocalFile(path, fsync)
 

@@ -8,13 +8,11 @@ deletes every key, dot-files included (msc's recursive delete skips them).
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import importlib
 import math
 import os
 import tempfile
-import threading
 import time
 from typing import Any, Optional
 
@@ -22,37 +20,7 @@ from ..errors import CheckpointError
 from .base import OpenUpload, Storage, Versioned, WriteHandle, unique_suffix
 from .requests import count_requests_of
 from .retries import with_retries
-
-# msc sends a file at or below the profile's multipart threshold (64 MiB by default) as one PUT of
-# the whole file read into memory; such uploads share this budget, so together they never hold
-# more than this in memory (larger files stream in multipart chunks)
-SINGLE_PUT_MEMORY_BYTES = 128 << 20
-
-
-class _MemoryBudget:
-    """Bytes that concurrent uploads may hold in memory at once; a request larger than the whole
-    budget waits until the budget is entirely free."""
-
-    def __init__(self, total: int) -> None:
-        self._total = total
-        self._free = total
-        self._cond = threading.Condition()
-
-    @contextlib.contextmanager
-    def hold(self, nbytes: int, timeout_s: float, what: str):
-        """Hold `nbytes` of the budget; TimeoutError naming `what` if they are not free within
-        `timeout_s` (another upload holding them hangs)."""
-        nbytes = min(nbytes, self._total)
-        with self._cond:
-            if not self._cond.wait_for(lambda: self._free >= nbytes, timeout_s):
-                raise TimeoutError(f"{what}: {nbytes} bytes of upload memory not free within {timeout_s:.1f}s")
-            self._free -= nbytes
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._free += nbytes
-                self._cond.notify_all()
+from .upload_memory import SINGLE_PUT_MEMORY_BYTES, MemoryBudget
 
 
 class _SpooledUpload(WriteHandle):
@@ -127,7 +95,7 @@ class MscStorage(Storage):
     def __init__(self, single_put_memory_bytes: int = SINGLE_PUT_MEMORY_BYTES) -> None:
         importlib.import_module("multistorageclient")  # fail here, with the hint from storage_for
 
-        self.upload_memory = _MemoryBudget(single_put_memory_bytes)
+        self.upload_memory = MemoryBudget(single_put_memory_bytes)
         self._proven: dict[str, float] = {}  # prefix -> when a probe write there last succeeded
 
     def join(self, *parts: str) -> str:
@@ -153,6 +121,14 @@ class MscStorage(Storage):
 
     def create(self, path: str, fsync: bool = True, timeout_s: float = 600.0) -> WriteHandle:
         return _SpooledUpload(self, path, timeout_s)  # an upload is durable once it returns: fsync has no work
+
+    def writes_to_upload(self, path: str, nbytes: int) -> int:
+        """One PUT up to the profile's multipart threshold; above it create + parts + complete,
+        parts of the profile's `multipart_chunksize` (msc's 32 MiB by default)."""
+        client, _ = _resolve(path)
+        if nbytes <= _single_put_limit(client) or _is_posix(client):
+            return 1
+        return 2 + -(-nbytes // _part_size(client))
 
     def write_atomic(self, path: str, data: bytes, fsync: bool = True) -> None:
         self._call("write", path, lambda client, key: client.write(key, bytes(data)))
@@ -352,6 +328,14 @@ def _single_put_limit(client) -> int:
         return 0
     limit = getattr(getattr(client, "_storage_provider", None), "_multipart_threshold", None)
     return limit if isinstance(limit, int) else 64 << 20
+
+
+def _part_size(client) -> int:
+    """A multipart upload's part size for this client's profile (msc's S3 default otherwise)."""
+    provider = getattr(client, "_storage_provider", None)
+    size = getattr(getattr(provider, "_transfer_config", None), "multipart_chunksize", None)
+    size = getattr(provider, "_multipart_chunksize", size)
+    return size if isinstance(size, int) and size > 0 else 32 << 20
 
 
 def _s3_api(client, key: str):

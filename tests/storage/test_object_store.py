@@ -392,9 +392,9 @@ def test_worker_memory_while_uploading_stays_near_the_staging_pool(s3, tmp_path)
 def test_upload_memory_wait_is_bounded_and_names_the_upload():
     """An upload that hangs while holding the shared upload memory must not hold the next
     upload forever: its wait ends at its bound with a TimeoutError naming it."""
-    from asyncckpt.storage.msc import _MemoryBudget
+    from asyncckpt.storage.upload_memory import MemoryBudget
 
-    budget = _MemoryBudget(100)
+    budget = MemoryBudget(100)
     held, release = threading.Event(), threading.Event()
 
     def hanging_upload() -> None:
