@@ -238,7 +238,8 @@ def remove_replaced_files(storage: Storage, step_dir: str) -> None:
 
 
 def _remove_empty_data_folders(storage: Storage, step_dir: str) -> None:
-    """Data folders (prefix spreading) whose files all went; a filesystem keeps empty ones."""
+    """Remove the data folders (prefix spreading) whose files all went: a filesystem would keep
+    them empty (an object store has no empty folders)."""
     for name in storage.list_dir(step_dir):
         if is_data_folder(name):
             storage.remove_empty_dir(storage.join(step_dir, name))

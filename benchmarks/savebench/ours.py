@@ -191,14 +191,21 @@ PREFIX_WRITES_PER_S = 3500
 def requests_note(report: dict[str, Any], ranks: int = 1000) -> str:
     """One save's requests by kind (this rank's data files + its commit) and what a `ranks`-rank
     job of the same shape issues: every rank's data-file writes plus the coordinator's commit,
-    and the least time those take at S3's per-prefix write limit (all files of a save share
-    the prefix ROOT/step_N/)."""
+    and the least time those take at S3's per-prefix write limit, all in one prefix
+    (ROOT/step_N/) and spread over the data folders `prefixes=None` picks for that job
+    (layout.prefix_count of the writes counted here): the busiest folder's writes."""
+    from asyncckpt.layout import prefix_count
+
     data, commit = report.get("requests", {}), report.get("commit_requests", {})
     kinds = sorted({*data, *commit})
     per_save = ", ".join(f"{k} {data.get(k, 0) + commit.get(k, 0)}" for k in kinds)
-    writes = ranks * sum(data.get(k, 0) for k in WRITES) + sum(commit.get(k, 0) for k in WRITES)
+    per_rank = sum(data.get(k, 0) for k in WRITES)
+    writes = ranks * per_rank + sum(commit.get(k, 0) for k in WRITES)
+    folders = prefix_count(ranks, per_rank)
+    busiest = -(-ranks // folders) * per_rank
     return (f"requests/save: {per_save}, retries {report.get('retries', 0)}; {ranks:,} ranks: {writes:,} writes/save, "
-            f">= {writes / PREFIX_WRITES_PER_S:.1f}s at {PREFIX_WRITES_PER_S:,} writes/s per prefix")
+            f">= {writes / PREFIX_WRITES_PER_S:.1f}s at {PREFIX_WRITES_PER_S:,} writes/s per prefix; spread over "
+            f"{folders} prefixes: busiest {busiest:,} writes/save, >= {busiest / PREFIX_WRITES_PER_S:.1f}s")
 
 
 def check_safetensors_dir(path: str) -> str:

@@ -7,6 +7,7 @@ removal, cleanup and the upload sweep see the files in the folders."""
 from __future__ import annotations
 
 import os
+import re
 import uuid
 
 import pytest
@@ -54,6 +55,30 @@ def test_upload_sweep_finds_uploads_in_data_folders():
                OpenUpload(f"{root}/other/p01/__1_0.distcp", "d", None)]
     found = uploads_left_open(uploads, root=root)
     assert {d: [u.upload_id for u in us] for d, us in found.items()} == {f"{root}/step_00000003": ["a", "b"]}
+
+
+def test_expected_writes_match_a_real_save(s3_server, request):
+    """The count `prefixes=None` is chosen from: each rank's expected write requests, which must
+    be what its save then issues (two 12 MiB files in the test profile's 5 MiB parts: 2 x
+    (create + 3 parts + complete)); a 1,000-rank job of that shape gets 3 folders."""
+    from asyncckpt.save.planning import Planning
+    from asyncckpt.save.prefixes import data_folder_for, expected_writes
+
+    root = s3_server.url("msc", s3_server.unique_prefix(request.node.name))
+    state = {"a": torch.rand(3 * MiB), "b": torch.rand(3 * MiB), "step": 4}
+    config = CheckpointConfig(io_workers=2)
+    plan = Planning().local(state, True).plan
+    expected = expected_writes(config, storage_for(root), step_path(root, 1), plan)
+    with AsyncCheckpointer(root, config) as ckpt:
+        ckpt.schedule_save(state, step=1)
+        (report,) = ckpt.finalize(blocking=True)
+    counted = sum(report.requests.get(kind, 0) for kind in ("put", "part", "create", "complete"))
+    assert expected == counted == 10, (expected, report.requests)
+    assert not any("/p0" in k for k in s3_server.keys(root.split("/", 3)[3]))  # one rank: flat
+    assert prefix_count(1000, expected) == 3
+    assert data_folder_for(config, 7, 1000, expected, step_path(root, 1)) == "p01"
+    assert data_folder_for(config, 7, 1000, expected, "/local/step_00000001") == ""
+    assert expected_writes(CheckpointConfig(prefixes=4), storage_for(root), step_path(root, 1), plan) == 0
 
 
 def _state(rank: int, seed: int) -> dict:
@@ -130,8 +155,15 @@ def test_local_prefixes_load_with_stock_filesystem_reader(tmp_path):
         for step in (1, 2):
             ckpt.schedule_save(state, step=step)
             ckpt.finalize(blocking=True)
-    assert sorted(os.listdir(step_path(root, 2))) == [".checksums.json", ".metadata", "p00"]
-    assert not os.path.exists(step_path(root, 1))
+        assert ckpt.wait_tidy()
+        assert sorted(os.listdir(step_path(root, 2))) == [".checksums.json", ".metadata", "p00"]
+        assert not os.path.exists(step_path(root, 1))
+        state["head"] += 1  # a resumed run saves step 2 again: the replaced files in p00 go
+        ckpt.schedule_save(state, step=2)
+        ckpt.finalize(blocking=True)
+        assert ckpt.wait_tidy()
+    replaced = os.listdir(os.path.join(step_path(root, 2), "p00"))
+    assert replaced and all(re.match(r"^__0_\d+\.[0-9a-f]{8}\.distcp$", n) for n in replaced), replaced
     target = zeros_like_state(state)
     dcp.load(target, checkpoint_id=step_path(root, 2), no_dist=True)
     assert_state_equal(target, state)
