@@ -98,8 +98,9 @@ def _s3_error(exc: BaseException) -> tuple[Optional[str], Optional[int]]:
 def with_retries(call: Callable[[], Any], deadline: Optional[float] = None,
                  policy: Optional[RetryPolicy] = None) -> Any:
     """`call()`, tried again on transient failures within the policy and
-    the monotonic `deadline`. The last failure is raised; one of expired credentials becomes a
-    PermissionError that says so."""
+    the monotonic `deadline`. A backoff that would end past the window is cut short at its end,
+    where one last try is made (a fault that ends within the window is always outlasted). The
+    last failure is raised; one of expired credentials becomes a PermissionError that says so."""
     policy = policy or RetryPolicy.from_env()
     started = time.monotonic()
     end = started + policy.window_s if deadline is None else min(started + policy.window_s, deadline)
@@ -108,8 +109,8 @@ def with_retries(call: Callable[[], Any], deadline: Optional[float] = None,
             return call()
         except Exception as exc:
             reason = why_transient(exc)
-            wait = policy.backoff_s(attempt)
-            if reason is None or attempt + 1 == policy.attempts or time.monotonic() + wait > end:
+            left = end - time.monotonic()
+            if reason is None or attempt + 1 == policy.attempts or left <= 0:
                 tried = (f"{attempt + 1} attempts over {time.monotonic() - started:.1f}s (retries end after "
                          f"{policy.attempts} attempts or {policy.window_s:.0f}s)")
                 if reason in _EXPIRED_CODES:
@@ -120,5 +121,5 @@ def with_retries(call: Callable[[], Any], deadline: Optional[float] = None,
                                           f"its credentials expired, or they lack permission") from exc
                 raise
             COUNTER.add(RETRIES)
-            time.sleep(wait)
+            time.sleep(min(policy.backoff_s(attempt), left))
     raise AssertionError("unreachable")

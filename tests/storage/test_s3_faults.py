@@ -279,3 +279,26 @@ def test_two_ranks_commit_or_fail_on_every_rank(s3_server, front):
     assert not any("/step_00000002/" in k for k in keys), keys
     assert verify_checkpoint(f"{front.root}/step_00000001") == []
     assert s3_server.pending_multipart_uploads(front.prefix + "/") == []
+
+
+def test_a_fault_that_ends_within_the_retry_window_is_outlasted():
+    """A backoff drawn longer than what is left of the window is cut short at its end for one last
+    try; before, the call gave up early (the matrix's 1 s of expired credentials then failed a
+    save now and then, when the jitter drew a long wait)."""
+    from asyncckpt.storage.retries import RetryPolicy, with_retries
+
+    class LongWaits(RetryPolicy):
+        def backoff_s(self, retry: int) -> float:
+            return 30.0
+
+    started = time.monotonic()
+
+    def call() -> str:
+        if time.monotonic() - started < 0.2:
+            raise ConnectionResetError("reset by the store")
+        return "done"
+
+    assert with_retries(call, policy=LongWaits(window_s=0.5)) == "done"
+    assert time.monotonic() - started < 5
+    with pytest.raises(ConnectionResetError):  # a fault outlasting the window still fails, at its end
+        with_retries(lambda: (_ for _ in ()).throw(ConnectionResetError("again")), policy=LongWaits(window_s=0.3))
