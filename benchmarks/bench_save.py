@@ -13,11 +13,12 @@ comparable even on a noisy shared disk (docs/benchmark.md):
                        mode needs a process group: "process" runs without one as a user would
                        try first, "process+gloo" inside a one-rank gloo group)
   asyncckpt thread / process / lazy / no-checksums / nice0 / safetensors / budget
-  asyncckpt s3         asyncckpt to s3://BUCKET/PREFIX on a local S3 server (moto_server on loopback,
-                       started for the row and stopped after it; skipped, with the reason, without one);
-                       its note gives the requests per save and the figure for 1,000 ranks
+  asyncckpt s3         asyncckpt to a local S3 server (moto_server on loopback, started for the row and
+                       stopped after it; skipped, with the reason, without one) through an msc profile
+                       with msc's default part sizes; its note gives the requests per save and the
+                       figure for 1,000 ranks, in one prefix and spread over the prefixes asyncckpt picks
   asyncckpt s3 proxy / s3 1% 503   the same through asyncckpt.testing.s3_faults.FaultyS3 (a proxy in
-                       this process), without faults / answering 1% of requests 503 SlowDown
+                       this process) with 5 MiB parts, without faults / answering 1% of requests 503 SlowDown
 
 Per method: a first save right after the constructor, a fresh instance's first save after
 --train-s of training (asyncckpt calls prepare(state) before that training), and --saves

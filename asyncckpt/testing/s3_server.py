@@ -166,10 +166,15 @@ class MotoServer:
                 self.process.wait(10)
 
 
-def write_msc_config(path: str, profiles: dict[str, str]) -> None:
-    """An MSC_CONFIG with one S3 profile per name -> endpoint, each on bucket BUCKET."""
+def write_msc_config(path: str, profiles: dict[str, str], msc_parts: tuple[str, ...] = ()) -> None:
+    """An MSC_CONFIG with one S3 profile per name -> endpoint, each on bucket BUCKET, with small
+    multipart parts (tests) except the profiles named in `msc_parts`, which keep msc's defaults."""
     lines = ["profiles:"]
     for name, endpoint in profiles.items():
+        parts = [] if name in msc_parts else [
+            f"        multipart_threshold: {MULTIPART_THRESHOLD}",
+            f"        multipart_chunksize: {MULTIPART_CHUNKSIZE}",
+        ]
         lines += [
             f"  {name}:",
             "    storage_provider:",
@@ -178,8 +183,7 @@ def write_msc_config(path: str, profiles: dict[str, str]) -> None:
             f"        base_path: {BUCKET}",
             f"        endpoint_url: {endpoint}",
             f"        region_name: {REGION}",
-            f"        multipart_threshold: {MULTIPART_THRESHOLD}",
-            f"        multipart_chunksize: {MULTIPART_CHUNKSIZE}",
+            *parts,
             "        max_concurrency: 4",
             "    credentials_provider:",
             "      type: S3Credentials",

@@ -122,7 +122,8 @@ class AsyncCkptS3(AsyncCkpt):
                 self.front.inject(Fault("slowdown", rate=self.slowdown_rate))
             profiles[self.profile] = self.front.endpoint
         config_path = os.path.join(self.workdir, "msc_config.yaml")
-        s3_server.write_msc_config(config_path, profiles)
+        # the plain row uploads with msc's own part sizes (as an s3:// root would), the proxy rows with small parts
+        s3_server.write_msc_config(config_path, profiles, msc_parts=() if self.front else (self.profile,))
         env = s3_server.session_env(config_path, endpoint)
         # Set before the checkpointer starts, so its worker process inherits them; restored in teardown.
         self._saved_env = {name: os.environ.get(name) for name in (*env, "AWS_PROFILE")}
