@@ -25,6 +25,7 @@ from ..formats import CHECKSUM_ALGORITHM, Sidecar
 from ..layout import latest_checkpoint
 from ..memory_file import MemoryCopy, NotACopy, memory_file_name, owner_alive, read_copy, root_key
 from .load import load
+from .mapped_files import MappedFiles
 from .memory_plan import rebuild_metadata
 from .resume import ResumeReport
 from .opened import opened_with
@@ -169,7 +170,7 @@ def _save_id(path: str) -> Optional[str]:
 
 class MemoryReader(SafeReader):
     """SafeReader over the memory tier's files: the Metadata rebuilt from the headers, the
-    headers' checksums; tensors are raw bytes in the slabs."""
+    headers' checksums; tensors are raw bytes in the slabs, copied out of a mapping of each."""
 
     def __init__(self, memory_dir: str, metadata: Metadata, checksums: dict[tuple[str, int, int], int],
                  trusted: bool) -> None:
@@ -186,3 +187,6 @@ class MemoryReader(SafeReader):
 
     def raw_file(self, relative_path: str) -> bool:
         return True
+
+    def _source(self) -> MappedFiles:
+        return MappedFiles()
