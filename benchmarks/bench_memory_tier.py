@@ -2,8 +2,9 @@
 
 One state (savebench.state.build_state), two checkpointers on two roots of the same disk, one with
 `memory_tier=True` (its slab a file in /dev/shm), one without (an anonymous memfd). After `prepare`
-and one warm-up save each, saves alternate off / on / on memory-only, each finalized (blocking)
-before the next, so blocked time is the staging hand-off alone. Median of --saves.
+and one warm-up save each, saves alternate off / on / on memory-only (the order rotates each round,
+so each follows each), each finalized (blocking) and its retention done before the next, so blocked
+time is the staging hand-off alone. Median of --saves.
 
     python benchmarks/bench_memory_tier.py --size-mb 1024 --saves 7
 """
@@ -44,11 +45,13 @@ def main() -> int:
                 ckpt.prepare(state)
                 ckpt.schedule_save(state, step=0)
                 ckpt.finalize(blocking=True)
+            configs = [("memory_tier=False", off, False), ("memory_tier=True", on, False),
+                       ("memory_tier=True, memory_only", on, True)]
             for step in range(1, args.saves + 1):
-                for name, ckpt, memory_only in (("memory_tier=False", off, False), ("memory_tier=True", on, False),
-                                                ("memory_tier=True, memory_only", on, True)):
+                for name, ckpt, memory_only in configs[step % 3:] + configs[:step % 3]:  # each follows each
                     ckpt.schedule_save(state, step=step, memory_only=memory_only)
                     report = ckpt.finalize(blocking=True)[-1]
+                    ckpt.wait_tidy()  # retention's deletes would run into the next config's save
                     rows[name].append(report.blocked_s)
                     staging[name].append(report.staging_s)
     finally:
