@@ -61,7 +61,7 @@ def main() -> int:
                     ckpt.wait_tidy()  # retention's deletes would run into the next config's save
                     rows[name].append(report.blocked_s)
                     staging[name].append(report.staging_s)
-        restart = restarts(state, workdir, args.restarts)
+        restart = restarts(state, workdir, args.restarts) if args.restarts else {}
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     base = statistics.median(rows["memory_tier=False"])
@@ -71,12 +71,12 @@ def main() -> int:
     for name, values in rows.items():
         median = statistics.median(values)
         print(f"{name:<32} {median:>10.3f} {statistics.median(staging[name]):>10.3f} {median / base:>6.2f}x")
-    print(f"\ncold restart (load_latest), alternating, median of {args.restarts}")
-    print(f"{'from':<34} {'s':>7} {'CPU s':>7}")
-    for name, values in restart.items():
-        print(f"{name:<34} {statistics.median(w for w, _ in values):>7.3f} {statistics.median(c for _, c in values):>7.3f}")
     ratio = None
     if args.restarts:
+        print(f"\ncold restart (load_latest), alternating, median of {args.restarts}")
+        print(f"{'from':<34} {'s':>7} {'CPU s':>7}")
+        for name, values in restart.items():
+            print(f"{name:<34} {statistics.median(w for w, _ in values):>7.3f} {statistics.median(c for _, c in values):>7.3f}")
         ratio = (statistics.median(w for w, _ in restart["restart from disk (load_latest)"])
                  / statistics.median(w for w, _ in restart["restart from memory"]))
         print(f"cold: restart from disk / restart from memory (>= 5): {ratio:.2f}")
