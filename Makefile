@@ -67,7 +67,7 @@ bench-incremental: venv
 	$(PY) benchmarks/bench_incremental.py --size-mib 1024 --out bench_out/bench_incremental.json
 
 bench-memory-tier: venv
-	$(PY) benchmarks/bench_memory_tier.py --size-mb 1024 --out bench_out/bench_memory_tier.json
+	$(PY) benchmarks/bench_memory_tier.py --size-mb 1024 --saves 25 --restarts 9 --out bench_out/bench_memory_tier.json
 
 bench-transformers: venv
 	$(PY) benchmarks/bench_transformers.py --out bench_out/bench_transformers.json

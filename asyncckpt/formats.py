@@ -8,6 +8,7 @@ bytes); `.metadata` points at each tensor's raw byte range, and `loading.SafeRea
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import json
 import re
@@ -147,9 +148,31 @@ class ItemChecksum:
     digest: Optional[bytes] = None  # tensors of an incremental save (DIGEST_ALGORITHM)
 
 
+def _gil_free_extend() -> Optional[Callable[[int, int, int], int]]:
+    """libcrc32c's `crc32c_extend(crc, address, length)` through ctypes, which releases the GIL
+    for the call: google_crc32c's own `extend` holds it for anything but `bytes` of 1 MiB or
+    more, so the checksums of a parallel load ran one thread at a time. None where the C library
+    is not there (google_crc32c's pure-Python fallback)."""
+    try:
+        from google_crc32c import _crc32c
+
+        extend = ctypes.CDLL(_crc32c.__file__).crc32c_extend  # found among the extension's libraries
+    except (ImportError, OSError, AttributeError):
+        return None
+    extend.restype = ctypes.c_uint32
+    extend.argtypes = (ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t)
+    return extend
+
+
+_EXTEND = _gil_free_extend()
+
+
 def crc32c(data, value: int = 0) -> int:
     """CRC32C of any bytes-like object, continuing from `value` (the GIL is released)."""
-    return google_crc32c.extend(value, np.frombuffer(data, dtype=np.uint8))
+    array = np.frombuffer(data, dtype=np.uint8)
+    if _EXTEND is None:
+        return google_crc32c.extend(value, array)
+    return _EXTEND(value, array.ctypes.data, array.size)
 
 
 CHECKSUM_FUNCTIONS: dict[str, Callable[..., int]] = {"crc32c": crc32c, "crc32": zlib.crc32}  # crc32: older sidecars

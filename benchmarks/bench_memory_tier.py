@@ -2,10 +2,15 @@
 
 One state (savebench.state.build_state), two checkpointers on two roots of the same disk, one with
 `memory_tier=True` (its slab a file in /dev/shm), one without (an anonymous memfd). After `prepare`
-and one warm-up save each, saves alternate off / on / on memory-only, each finalized (blocking)
-before the next, so blocked time is the staging hand-off alone. Median of --saves.
+and one warm-up save each, saves alternate off / on / on memory-only (the order rotates each round,
+so each follows each), each finalized (blocking) and its retention done before the next, so blocked
+time is the staging hand-off alone. Median of --saves.
 
-    python benchmarks/bench_memory_tier.py --size-mb 1024 --saves 7
+Then (--restarts) the restart: `load_latest` of a root whose newest save is committed and held by
+the tier, cold (the disk's pages dropped, as bench_load.py's restart rows), from memory and from
+the disk alternating; median seconds, CPU seconds of this process (its reading threads), ratio.
+
+    python benchmarks/bench_memory_tier.py --size-mb 1024 --saves 7 --restarts 7
 """
 
 from __future__ import annotations
@@ -17,9 +22,11 @@ import shutil
 import statistics
 import sys
 import tempfile
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from savebench.state import build_state, state_tensors  # noqa: E402
+from bench_load import check_equal, drop_cache, empty_like_state, restart_rows  # noqa: E402
 
 from asyncckpt import AsyncCheckpointer, CheckpointConfig  # noqa: E402
 
@@ -28,6 +35,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size-mb", type=int, default=1024)
     parser.add_argument("--saves", type=int, default=7)
+    parser.add_argument("--restarts", type=int, default=7, help="cold restarts from memory and from disk, each")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     os.makedirs("bench_out", exist_ok=True)
@@ -44,13 +52,16 @@ def main() -> int:
                 ckpt.prepare(state)
                 ckpt.schedule_save(state, step=0)
                 ckpt.finalize(blocking=True)
+            configs = [("memory_tier=False", off, False), ("memory_tier=True", on, False),
+                       ("memory_tier=True, memory_only", on, True)]
             for step in range(1, args.saves + 1):
-                for name, ckpt, memory_only in (("memory_tier=False", off, False), ("memory_tier=True", on, False),
-                                                ("memory_tier=True, memory_only", on, True)):
+                for name, ckpt, memory_only in configs[step % 3:] + configs[:step % 3]:  # each follows each
                     ckpt.schedule_save(state, step=step, memory_only=memory_only)
                     report = ckpt.finalize(blocking=True)[-1]
+                    ckpt.wait_tidy()  # retention's deletes would run into the next config's save
                     rows[name].append(report.blocked_s)
                     staging[name].append(report.staging_s)
+        restart = restarts(state, workdir, args.restarts) if args.restarts else {}
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     base = statistics.median(rows["memory_tier=False"])
@@ -60,10 +71,36 @@ def main() -> int:
     for name, values in rows.items():
         median = statistics.median(values)
         print(f"{name:<32} {median:>10.3f} {statistics.median(staging[name]):>10.3f} {median / base:>6.2f}x")
+    ratio = None
+    if args.restarts:
+        print(f"\ncold restart (load_latest), alternating, median of {args.restarts}")
+        print(f"{'from':<34} {'s':>7} {'CPU s':>7}")
+        for name, values in restart.items():
+            print(f"{name:<34} {statistics.median(w for w, _ in values):>7.3f} {statistics.median(c for _, c in values):>7.3f}")
+        ratio = (statistics.median(w for w, _ in restart["restart from disk (load_latest)"])
+                 / statistics.median(w for w, _ in restart["restart from memory"]))
+        print(f"cold: restart from disk / restart from memory (>= 5): {ratio:.2f}")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"state_bytes": nbytes, "blocked_s": rows, "staging_s": staging}, f, indent=1)
+            json.dump({"state_bytes": nbytes, "blocked_s": rows, "staging_s": staging, "restart_s_cpu_s": restart,
+                       "restart_ratio": ratio}, f, indent=1)
     return 0
+
+
+def restarts(state: dict, workdir: str, repeat: int) -> dict[str, list[tuple[float, float]]]:
+    """(seconds, CPU seconds) of each cold load_latest, from memory and from the disk in turn."""
+    root = os.path.join(workdir, "restart")
+    box = [empty_like_state(state)]
+    times: dict[str, list[tuple[float, float]]] = {}
+    with restart_rows(root, state, box) as rows:
+        for _ in range(repeat):
+            for name, load in rows:
+                drop_cache(root)
+                wall, cpu = time.perf_counter(), time.process_time()
+                load()
+                times.setdefault(name, []).append((time.perf_counter() - wall, time.process_time() - cpu))
+    check_equal(box[0], state)
+    return times
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import threading
 import weakref
 from collections import deque
@@ -62,9 +63,10 @@ class HeldSaves:
         self.removals = Removals(config.timeout_s)  # un-committed directories the caller removed, deleted in order
         _live.add(self)  # closed at exit: saves committed, removals waited for
 
-    def ensure_saver(self) -> AsyncCheckpointer:
-        if self.saver is None:
-            self.saver = AsyncCheckpointer(config=self.config, no_dist=True)  # spawns its worker, without waiting
+    def ensure_saver(self, folder: Optional[str] = None) -> AsyncCheckpointer:
+        """`folder` (where the saves go) keys the memory tier (CheckpointConfig.memory_tier)."""
+        if self.saver is None:  # spawns its worker, without waiting
+            self.saver = AsyncCheckpointer(config=self.config, no_dist=True, memory_folder=folder)
         return self.saver
 
     def save(self, flat: dict, target: str) -> None:
@@ -74,7 +76,7 @@ class HeldSaves:
             self.check_open()
             self.removals.wait_for(target)  # a directory removed just before: its old files go first
             self.raise_failures()  # (a failed removal of it too: never saved into half-deleted)
-            saver = self.ensure_saver()
+            saver = self.ensure_saver(os.path.dirname(target))
             saver.take_folder_of(target)  # another job's folder fails this call, not a held copy's save later
             while True:
                 self._advance(blocking=False)

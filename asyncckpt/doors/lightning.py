@@ -30,9 +30,11 @@ from .door_config import check_door_config
 from ..errors import CheckpointError
 from .held_saves import HeldSaves
 from ..loading.load import load
+from ..loading.memory_tier import restore_saved
 from ..loading.opened import open_checkpoint
 from ..layout import METADATA_FILE, is_checkpoint_file, list_files
 from .nested import flatten_exact, map_tensors, unflatten_exact
+from ..save.ranks import RankGroup
 from ..storage import is_remote, storage_for
 
 log = logging.getLogger("asyncckpt")
@@ -59,7 +61,9 @@ class AsyncCheckpointIO(CheckpointIO):
             raise ValueError(f"max_in_flight must be an integer >= 1, not {max_in_flight!r}")
         self.config, self.trusted, self.max_in_flight = config, bool(trusted), max_in_flight
         self._init_runtime()
-        if _launched_as_global_rank_zero():  # start the worker now: the first save need not wait for it
+        # start the worker now: the first save need not wait for it (with the memory tier it starts
+        # at the first save, whose folder keys the tier)
+        if _launched_as_global_rank_zero() and not config.memory_tier:
             with self._saves.lock:
                 self._saves.ensure_saver()
 
@@ -117,7 +121,10 @@ class AsyncCheckpointIO(CheckpointIO):
             key: torch.empty(meta.size, dtype=meta.properties.dtype) if isinstance(meta, TensorStorageMetadata) else meta
             for key, meta in opened.metadata.state_dict_metadata.items()
         }
-        load(flat, opened, trusted=trusted, no_dist=True)
+        if not (self.config.memory_tier and restore_saved(
+                flat, opened, os.path.dirname(target), self.config.memory_dir, RankGroup(no_dist=True),
+                trusted=trusted, wait_s=self.config.timeout_s)):  # from memory when it holds this very save
+            load(flat, opened, trusted=trusted, no_dist=True)
         return map_tensors(unflatten_exact(flat, target), _mover(map_location))
 
     def remove_checkpoint(self, path) -> None:

@@ -48,6 +48,8 @@ from ..save.checkpointer import AsyncCheckpointer
 from ..config import CheckpointConfig
 from .door_config import check_door_config
 from ..errors import CheckpointError
+from ..loading.load import load as load_checkpoint
+from ..loading.opened import OpenCheckpoint, open_checkpoint
 from ..loading.safe_reader import read_metadata
 from ..layout import METADATA_FILE
 from ..save.ranks import collective_timeout_s
@@ -93,6 +95,19 @@ def async_save(
     staged: Future = Future()
     staged.set_result(None)  # the call returned: the snapshot is taken, the state may change
     return AsyncSaveResponse(staging_completion=staged, upload_completion=upload)
+
+
+def load(
+    state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike, process_group: Optional[Any] = None,
+    no_dist: bool = False, trusted: bool = False,
+) -> None:
+    """Load a checkpoint async_save wrote into `state_dict` in place (the resume's call, as
+    torch.distributed.checkpoint.load): from the memory tier when it is configured and holds that
+    very save, else from its files (asyncckpt.load: objects with weights_only unless `trusted`)."""
+    opened = open_checkpoint(os.fspath(checkpoint_id), trusted=trusted)
+    if _config.memory_tier and _door_for(process_group, no_dist, True).load_saved(state_dict, opened, trusted):
+        return
+    load_checkpoint(state_dict, opened, trusted=trusted, process_group=process_group, no_dist=no_dist)
 
 
 def configure(config: CheckpointConfig) -> None:
@@ -251,6 +266,7 @@ class _Door:
     def __init__(self, group: Optional[Any], config: CheckpointConfig) -> None:
         self.group, self.config = group, config
         self._ckpt: Optional[AsyncCheckpointer] = None  # made (and its worker spawned) at first use
+        self.folder: Optional[str] = None  # where the first save or load was: it keys the memory tier
         self.cond = threading.Condition()  # the lock every use of the checkpointer holds
         self.pending: Optional[tuple[Future, str]] = None  # the save in flight: its future and path
         self.deferred: Optional[tuple[dict, str]] = None  # a first save's private copy, not scheduled yet
@@ -268,9 +284,9 @@ class _Door:
         with self.cond:
             if self._ckpt is None:
                 if self.group is None:
-                    self._ckpt = AsyncCheckpointer(config=self.config, no_dist=True)
+                    self._ckpt = AsyncCheckpointer(config=self.config, no_dist=True, memory_folder=self.folder)
                 else:
-                    self._ckpt = AsyncCheckpointer(config=self.config, process_group=self.group)
+                    self._ckpt = AsyncCheckpointer(config=self.config, process_group=self.group, memory_folder=self.folder)
             return self._ckpt
 
     def save(self, state: dict[str, Any], path: str) -> Future:
@@ -280,6 +296,7 @@ class _Door:
             if self.closing:
                 raise CheckpointError("asyncckpt.torch_dcp is shutting down")
             self._finish_pending()  # save k's verdict goes to save k's future, not to this call
+            self.folder = self.folder or os.path.dirname(path)
             copy = private_copy(state) if self.saves == 0 else None
             if copy is not None:  # the rest of this save (the worker's start included) is the commit thread's
                 if self.group is None:  # under a group, a bad path must fail every rank alike: in schedule_save's agreement
@@ -291,6 +308,15 @@ class _Door:
             self.pending = (future, path)
             self.cond.notify_all()
         return future
+
+    def load_saved(self, state: dict[str, Any], checkpoint: OpenCheckpoint, trusted: bool) -> bool:
+        """Load `checkpoint` from the memory tier if it holds that very save (MemoryTier.load_saved),
+        once the save in flight is committed (its collectives come first on the door's group)."""
+        with self.cond:
+            self._finish_pending()
+            self.folder = self.folder or os.path.dirname(checkpoint.path)
+            tier = self.ckpt.memory_tier
+            return tier is not None and tier.load_saved(state, checkpoint, trusted)
 
     def close(self) -> None:
         with self.cond:

@@ -167,7 +167,7 @@ class AsyncCheckpointMixin:
             state["scheduler"] = self.lr_scheduler.state_dict()
         if not state:
             return  # saved with save_only_model: Trainer's own resume does the same
-        load(state, opened)
+        self._load(state, opened)
         if "optimizer" in state:
             set_optimizer_state_dict(self.model, optimizer, state["optimizer"],  # parameters saved stateless stay so
                                      options=StateDictOptions(strict=False))
@@ -181,7 +181,7 @@ class AsyncCheckpointMixin:
         opened = open_checkpoint(checkpoint) if scaler is not None else None
         if opened is not None and "scaler" in _saved_groups(opened):
             state = {"scaler": scaler.state_dict()}
-            load(state, opened)
+            self._load(state, opened)
             scaler.load_state_dict(state["scaler"])
 
     def _load_rng_state(self, checkpoint) -> None:
@@ -194,14 +194,20 @@ class AsyncCheckpointMixin:
             state[key] = rng_state(cuda="cuda" in _saved_keys(opened, key))
         else:  # e.g. resumed on more ranks than saved; this rank still joins the (collective) load
             log.info("%s holds no RNG state for %s: the resumed run's randomness will differ", checkpoint, key)
-        load(state, opened)
+        self._load(state, opened)
         if state:
             set_rng_state(state[key])
 
     def _load_model(self, checkpoint: str, model) -> None:
         template = {"model": model.state_dict()}
-        load(template, checkpoint)
+        self._load(template, open_checkpoint(checkpoint))
         model.load_state_dict(template["model"])  # the tensors were read in place; this checks the keys
+
+    def _load(self, state: dict[str, Any], checkpoint: OpenCheckpoint) -> None:
+        """From the memory tier when it holds this checkpoint's very save (memory_tier=True), else its files."""
+        tier = self._open_checkpointer().memory_tier
+        if tier is None or not tier.load_saved(state, checkpoint, trusted=False):
+            load(state, checkpoint)
 
     # the checkpointer ------------------------------------------------------------------------
     def _open_checkpointer(self) -> AsyncCheckpointer:
@@ -211,7 +217,7 @@ class AsyncCheckpointMixin:
             self._opened_with = self.checkpoint_config
             config = self.checkpoint_config or CheckpointConfig()
             check_door_config(config, "The Trainer", "TrainingArguments.save_total_limit")
-            self._checkpointer = AsyncCheckpointer(config=config)
+            self._checkpointer = AsyncCheckpointer(config=config, memory_folder=self.args.output_dir)
         return self._checkpointer
 
     def _commit(self, blocking: bool) -> None:

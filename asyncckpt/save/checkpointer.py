@@ -54,10 +54,12 @@ class AsyncCheckpointer:
         process_group: Optional[Any] = None,
         planner_factory: Callable[[], Any] = DefaultSavePlanner,
         no_dist: bool = False,
+        memory_folder: Optional[str] = None,
     ) -> None:
         """`root` holds `step_N` checkpoints, `latest` and keep_last retention; without one, every
         save names its directory. The root is created if needed and taken for this job (every
         rank of it): CheckpointError if it cannot be written or another job holds it.
+        `memory_folder` keys the memory tier where there is no root (the doors: where their checkpoints go).
         `no_dist=True`: this process saves alone even inside a distributed job (no collectives,
         no process group)."""
         if config is None:
@@ -82,7 +84,7 @@ class AsyncCheckpointer:
         if self.root is not None:
             take_root(self._folders, self.root, self._group, self._config.fsync)
         try:
-            self._memory = MemoryTier(config, self.root, self._group) if config.memory_tier else None
+            self._memory = MemoryTier(config, self.root, self._group, memory_folder) if config.memory_tier else None
             self._worker = RankWorker(config, self.rank, self._memory and self._memory.worker_settings())  # starts now
         except BaseException:
             self._folders.release()
@@ -284,6 +286,10 @@ class AsyncCheckpointer:
         """Incremental: the next save reuses what it can of committed checkpoint `path`, which
         the caller loaded itself (load_latest does this on its own)."""
         self._incremental.resumed(path)
+
+    @property
+    def memory_tier(self) -> Optional[MemoryTier]:  # the doors' resumes read from it (MemoryTier.load_saved)
+        return self._memory
 
     @property
     def worker_ready(self) -> bool:  # the worker has started up (and lives): a save waits for no start-up

@@ -21,7 +21,8 @@ from typing import Any, Optional
 from ..config import CheckpointConfig
 from ..errors import CheckpointError
 from ..loading.memory_plan import encode_plan
-from ..loading.memory_tier import MemoryRestore, restore
+from ..loading.memory_tier import MemoryRestore, restore, restore_saved
+from ..loading.opened import OpenCheckpoint
 from ..memory_file import PREFIX, SUFFIX, NotACopy, memory_file_name, owner_alive, read_copy, root_key
 from ..protocol import CACHE_SLOTS, MemorySave, MemoryTier as MemoryTierSettings
 from .planning import PlannedSave
@@ -33,8 +34,11 @@ STALE_AFTER_S = 24 * 3600  # a dead job's file is removed once it has not been w
 
 
 class MemoryTier:
-    def __init__(self, config: CheckpointConfig, root: Optional[str], group: RankGroup) -> None:
-        """Refuses a configuration where the tier cannot hold: no root, no usable `memory_dir`."""
+    def __init__(self, config: CheckpointConfig, root: Optional[str], group: RankGroup, folder: Optional[str] = None) -> None:
+        """Refuses a configuration where the tier cannot hold: no root (nor a door's `folder`, which
+        keys the tier of a checkpointer whose saves name their directories), no usable `memory_dir`."""
+        self.keyed_by_root = root is not None
+        root = root if root is not None else folder
         if root is None:
             raise CheckpointError("memory_tier=True needs a checkpoint root: AsyncCheckpointer(root, ...)")
         directory = config.memory_dir
@@ -55,7 +59,7 @@ class MemoryTier:
     def next_save(self, planned: PlannedSave, step: Optional[int], memory_only: bool) -> MemorySave:
         """The header's record of the save being scheduled (the plan is sent when it is new to
         the worker: RankWorker drops it otherwise)."""
-        if step is None:
+        if step is None and self.keyed_by_root:
             raise ValueError("with memory_tier=True every save needs a step")
         self._saves += 1
         plan = self._plans.get(planned.structure_key)
@@ -64,12 +68,18 @@ class MemoryTier:
                 self._plans.clear()
             plan = self._plans[planned.structure_key] = encode_plan(planned.plan)
         token = hashlib.md5(f"{self._instance}:{self._saves}".encode()).hexdigest()
-        return MemorySave(step, token, memory_only, plan)
+        return MemorySave(step if step is not None else -1, token, memory_only, plan)  # a door's save may have none
 
     def restore(self, state_dict: dict[str, Any], trusted: bool) -> Optional[MemoryRestore]:
         """Load the memory copy when it is the one to resume from (see loading/memory_tier.py)."""
         return restore(state_dict, self.root, self.config.memory_dir, self.group, trusted=trusted,
                        wait_s=self.config.timeout_s)
+
+    def load_saved(self, state_dict: dict[str, Any], checkpoint: OpenCheckpoint, trusted: bool) -> bool:
+        """The doors' resumes: load the committed `checkpoint` from memory when this tier holds its
+        very save (see loading/memory_tier.restore_saved); False: nothing loaded, read its files."""
+        return restore_saved(state_dict, checkpoint, self.root, self.config.memory_dir, self.group, trusted=trusted,
+                             wait_s=self.config.timeout_s)
 
     def close(self) -> None:
         """A clean close removes this rank's file, unless memory_keep; so does no exit that follows

@@ -90,6 +90,33 @@ def test_load_checkpoint_returns_exactly_the_saved_dict_as_of_the_save(tmp_path)
     assert_exactly_equal(unflatten_exact(torch.load(converted, weights_only=True)), expected)
 
 
+def test_with_the_memory_tier_a_restarted_plugin_loads_the_newest_save_from_memory(tmp_path, caplog):
+    """memory_tier=True (memory_keep: the file outlives the first plugin, as after a crash): a new
+    plugin's load_checkpoint (what Lightning's resume calls) reads the newest save from the memory
+    copy of that very save, exactly as saved; an older checkpoint of the folder from its files."""
+    config = CheckpointConfig(memory_tier=True, memory_dir=str(tmp_path), memory_keep=True)
+    older, newest = str(tmp_path / "run" / "epoch=0-step=1.ckpt"), str(tmp_path / "run" / "last.ckpt")
+    checkpoint = _awkward_checkpoint()
+    plugin = AsyncCheckpointIO(config, max_in_flight=1)
+    try:
+        plugin.save_checkpoint(checkpoint, older)
+        plugin.save_checkpoint({**checkpoint, "epoch": 4}, newest)
+    finally:
+        plugin.close()
+    restarted = AsyncCheckpointIO(config)
+    try:
+        with caplog.at_level("INFO", logger="asyncckpt"):
+            loaded = restarted.load_checkpoint(newest)
+        assert [r for r in caplog.records if r.getMessage().startswith(f"loaded {newest} from memory")]
+        assert_exactly_equal(loaded, {**checkpoint, "epoch": 4})
+        caplog.clear()
+        with caplog.at_level("INFO", logger="asyncckpt"):
+            assert_exactly_equal(restarted.load_checkpoint(older), checkpoint)
+        assert not [r for r in caplog.records if "from memory" in r.getMessage()]
+    finally:
+        restarted.close()
+
+
 class Custom:
     def __init__(self, value) -> None:
         self.value = value

@@ -370,3 +370,28 @@ def test_a_writer_failure_on_one_rank_raises_from_result_on_every_rank(tmp_path)
     run_ranks(_failure_on_rank1, 2, root, timeout_s=120)
     assert os.path.exists(os.path.join(root, "step-3", ".metadata"))
     assert not os.path.exists(os.path.join(root, "x"))
+
+
+def test_with_the_memory_tier_the_resume_loads_the_newest_save_from_memory(tmp_path, caplog):
+    """configure(memory_tier=True, memory_keep: the file outlives the shutdown, as after a crash):
+    torch_dcp.load (the resume's dcp.load) reads the newest save from the memory copy of that very
+    save, an older checkpoint of the folder from its files; both as saved."""
+    torch_dcp.shutdown()
+    torch_dcp.configure(CheckpointConfig(io_workers=2, timeout_s=60.0, memory_tier=True, memory_dir=str(tmp_path),
+                                         memory_keep=True))
+    state = {"w": torch.arange(ROWS * COLS, dtype=torch.float32).reshape(ROWS, COLS), "c": Counter(), "note": "x"}
+    older, newest = str(tmp_path / "ckpt" / "step-1"), str(tmp_path / "ckpt" / "step-2")
+    torch_dcp.async_save(state, checkpoint_id=older, no_dist=True).result(timeout=60)
+    state["w"].add_(1)
+    state["c"].value.fill_(2)
+    torch_dcp.async_save(state, checkpoint_id=newest, no_dist=True).result(timeout=60)
+    torch_dcp.shutdown()
+    for path, offset in ((newest, 1), (older, 0)):
+        target = {"w": torch.zeros(ROWS, COLS), "c": Counter(), "note": None}
+        caplog.clear()
+        with caplog.at_level("INFO", logger="asyncckpt"):
+            torch_dcp.load(target, checkpoint_id=path, no_dist=True)
+        assert torch.equal(target["w"], torch.arange(ROWS * COLS, dtype=torch.float32).reshape(ROWS, COLS) + offset)
+        assert target["c"].value.item() == 2 * offset and target["note"] == "x"
+        from_memory = [r for r in caplog.records if r.getMessage().startswith(f"loaded {path} from memory")]
+        assert bool(from_memory) == (path == newest), path

@@ -324,3 +324,32 @@ def test_resume_from_a_folder_no_save_committed_names_the_problem(tmp_path):
     with pytest.raises(Exception, match="never committed"):
         trainer.train(resume_from_checkpoint=str(out / "checkpoint-5"))
     assert isinstance(trainer, AsyncCheckpointTrainer)
+
+
+def test_with_the_memory_tier_a_resume_loads_the_checkpoint_from_memory_as_from_its_files(tmp_path, caplog):
+    """memory_tier=True (memory_keep: the file outlives the first run, as after a crash): the
+    resumed run loads checkpoint-10 from the memory copy of that very save, not from its files,
+    and ends bitwise as a run resumed from the files. A copy of another save is not used."""
+    out, shm = str(tmp_path / "run"), tmp_path / "shm"
+    shm.mkdir()
+    config = CheckpointConfig(memory_tier=True, memory_dir=str(shm), memory_keep=True)
+    first = hf_trainer.make_trainer(out, max_steps=10)
+    first.checkpoint_config = config
+    first.train()
+    assert os.listdir(shm), "the memory copy outlives the run"
+    shutil.copytree(out, str(tmp_path / "disk"))  # another folder: no memory copy of its own
+    from_disk = hf_trainer.make_trainer(str(tmp_path / "disk"), max_steps=15)
+    from_disk.train(resume_from_checkpoint=str(tmp_path / "disk" / "checkpoint-10"))
+    resumed = hf_trainer.make_trainer(out, max_steps=15)
+    resumed.checkpoint_config = config
+    with caplog.at_level("INFO", logger="asyncckpt"):
+        resumed.train(resume_from_checkpoint=os.path.join(out, "checkpoint-10"))
+    loaded = [r.getMessage() for r in caplog.records if "from memory" in r.getMessage()]
+    assert any(os.path.join(out, "checkpoint-10") in m for m in loaded), loaded
+    assert_same(final_state(resumed), final_state(from_disk))
+    caplog.clear()
+    again = hf_trainer.make_trainer(out, max_steps=6)
+    again.checkpoint_config = config
+    with caplog.at_level("INFO", logger="asyncckpt"):
+        again.train(resume_from_checkpoint=os.path.join(out, "checkpoint-5"))  # memory holds checkpoint-15's save
+    assert not [r for r in caplog.records if "from memory" in r.getMessage()]
