@@ -335,7 +335,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"\nload, {state_bytes / MiB:.0f} MiB state, {len(state_tensors(state))} tensors, one run, "
               f"median of {args.repeat}; "
               f"asyncckpt: {LocalFiles.threads} threads, {LocalFiles.piece_bytes // MiB} MiB pieces read "
-              f"{LocalFiles.step_bytes // MiB} MiB per preadv\n{table}\n")
+              f"{LocalFiles.step_bytes >> 10} KiB per preadv\n{table}\n")
         for text, value in figures.items():
             print(f"{text}: {'-' if value is None else f'{value:.2f}'}")
         if args.out:
