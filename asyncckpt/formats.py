@@ -148,31 +148,33 @@ class ItemChecksum:
     digest: Optional[bytes] = None  # tensors of an incremental save (DIGEST_ALGORITHM)
 
 
-def _gil_free_extend() -> Optional[Callable[[int, int, int], int]]:
-    """libcrc32c's `crc32c_extend(crc, address, length)` through ctypes, which releases the GIL
-    for the call: google_crc32c's own `extend` holds it for anything but `bytes` of 1 MiB or
-    more, so the checksums of a parallel load ran one thread at a time. None where the C library
-    is not there (google_crc32c's pure-Python fallback)."""
+def _extend_without_gil() -> Optional[Callable[[int, int, int], int]]:
+    """google_crc32c's C function `crc32c_extend(crc, address, length)` called through ctypes,
+    which releases the GIL for the call. The module's own `extend` holds the GIL for anything but
+    `bytes` of 1 MiB or more (its _crc32c.c), so checksums on several threads ran one at a time.
+    dlsym finds the function in the extension or the library it links. None where it cannot."""
     try:
         from google_crc32c import _crc32c
 
-        extend = ctypes.CDLL(_crc32c.__file__).crc32c_extend  # found among the extension's libraries
+        function = ctypes.CDLL(_crc32c.__file__).crc32c_extend
     except (ImportError, OSError, AttributeError):
         return None
-    extend.restype = ctypes.c_uint32
-    extend.argtypes = (ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t)
-    return extend
+    function.restype = ctypes.c_uint32
+    function.argtypes = (ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t)
+    return function
 
 
-_EXTEND = _gil_free_extend()
+_EXTEND_WITHOUT_GIL = _extend_without_gil()
+GIL_FREE_BYTES = 64 << 10  # below this the GIL is kept: the ctypes call costs ~2 us more than the work saved
 
 
 def crc32c(data, value: int = 0) -> int:
-    """CRC32C of any bytes-like object, continuing from `value` (the GIL is released)."""
+    """CRC32C of any bytes-like object, continuing from `value`; from GIL_FREE_BYTES on, other
+    threads run meanwhile (the loader's reading threads checksum in parallel)."""
     array = np.frombuffer(data, dtype=np.uint8)
-    if _EXTEND is None:
-        return google_crc32c.extend(value, array)
-    return _EXTEND(value, array.ctypes.data, array.size)
+    if _EXTEND_WITHOUT_GIL is not None and array.size >= GIL_FREE_BYTES:
+        return _EXTEND_WITHOUT_GIL(value, array.ctypes.data, array.size)
+    return google_crc32c.extend(value, array)
 
 
 CHECKSUM_FUNCTIONS: dict[str, Callable[..., int]] = {"crc32c": crc32c, "crc32": zlib.crc32}  # crc32: older sidecars

@@ -47,7 +47,7 @@ class LocalFiles(ByteSource):
 
     threads = min(16, max(4, os.cpu_count() or 4))
     piece_bytes = 64 << 20  # measured: 64 MiB loads 512 MiB faster than 16, cold and warm
-    step_bytes = 1 << 20
+    step_bytes = 256 << 10  # checksummed while in the core's cache: 21 GB/s here, 9.5 after 1 MiB reads, 6 from memory
     whole_item_bytes = 0  # finding a tensor costs a pread or two of the page cache: always worth it
     iov_max = min(1024, os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024)
 

@@ -9,8 +9,8 @@ reused buffer and copied once into the target (resharding, dtype or layout chang
 targets). Segments are sorted by offset and coalesced into pieces of up to the source's
 `piece_bytes`, one task each on a pool of threads, read `step_bytes` at a time (locally by
 `os.preadv` through the thread's own descriptor; on an object store, one ranged GET per piece);
-each step's CRC32C is computed right after it is read, and the parts of one item are combined
-and checked once all reads ended.
+each step's CRC32C is computed right after it is read, by the thread that read it (the GIL
+released: formats.crc32c), and the parts of one item are combined and checked once all reads ended.
 
 "Through a buffer" means through a slot of the ring (ring.py): a slab is read into a free slot
 and checksummed there, then its copy into the target is queued (a side stream for a CUDA target,

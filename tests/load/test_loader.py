@@ -23,6 +23,7 @@ from asyncckpt.layout import is_data_file
 from asyncckpt.loading.safe_reader import read_metadata
 from asyncckpt.storage.msc import MscStorage
 from asyncckpt.testing.s3_server import BUCKET
+from conftest import damaged_copy
 
 SHAPE = (37, 29)
 SMALL_PIECES = 4096  # every tensor above 4 KiB spans several reads (checksums combined across threads)
@@ -231,6 +232,74 @@ def test_checksums_of_pieces_combine_into_the_items(algorithm):
     for cut in (0, 1, 4096, 9_999, 10_000):
         a, b = data[:cut], data[cut:]
         assert crc_combine(algorithm, crc(a), crc(b), len(b)) == crc(data)
+
+
+def test_a_large_checksum_lets_other_threads_run():
+    """The reading threads checksum what they read as they read it: a CRC32C of a large buffer
+    must release the GIL, or the threads' checksums run one at a time and a warm load takes
+    much longer (google_crc32c's own `extend` holds the GIL for anything but `bytes`). While one
+    thread checksums 128 MiB, another thread keeps running: no pause of half the call in its
+    ticks (holding the GIL, the pause is the whole call: 0.7-0.97 of it here, 0.1-0.2 without)."""
+    import sys
+    import time
+
+    from asyncckpt.formats import crc32c
+
+    data = memoryview(torch.ones(128 << 20, dtype=torch.uint8).numpy())
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(0.0005)  # a thread waiting for the GIL gets it within 0.5 ms of asking
+    pauses = []
+    try:
+        for _ in range(3):  # the ticking thread may be descheduled on a busy box: a few tries
+            ticks, stop = [], threading.Event()
+
+            def tick() -> None:
+                while not stop.is_set():
+                    ticks.append(time.perf_counter())
+
+            ticker = threading.Thread(target=tick)
+            ticker.start()
+            while not ticks:
+                time.sleep(0.001)
+            start = time.perf_counter()
+            crc32c(data)
+            end = time.perf_counter()
+            stop.set()
+            ticker.join(timeout=10)
+            marks = [start] + [t for t in ticks if start < t < end] + [end]
+            pauses.append(max(b - a for a, b in zip(marks, marks[1:])) / (end - start))
+            if pauses[-1] < 0.5:
+                return
+        pytest.fail(f"another thread paused for {max(pauses):.0%} of crc32c of 128 MiB: it holds the GIL")
+    finally:
+        sys.setswitchinterval(interval)
+
+
+@pytest.mark.parametrize("fmt", ["torch_save", "safetensors"])
+def test_a_flipped_byte_mid_item_is_found_when_the_item_is_read_on_several_threads(saved, tmp_path, fmt, monkeypatch):
+    """A 600 KiB tensor read straight into its target in 128 KiB pieces on several threads,
+    each checksummed as it is read (64 KiB at a time, the GIL released) and the parts combined:
+    one byte flipped in its middle fails the load with PartialLoadError naming file and item."""
+    monkeypatch.setattr(LocalFiles, "piece_bytes", 128 << 10)
+    monkeypatch.setattr(LocalFiles, "step_bytes", 64 << 10)
+    readers: dict[int, int] = {}  # thread -> reads of "big"
+    two_readers = threading.Event()
+    real_read_into = LocalFiles.read_into
+
+    def read_into(self, path, offset, buffers, what):
+        if ": big[" in what:  # the first thread to read it waits for a second one to read another piece
+            readers[threading.get_ident()] = readers.get(threading.get_ident(), 0) + 1
+            if len(readers) > 1:
+                two_readers.set()
+            two_readers.wait(timeout=30)
+        real_read_into(self, path, offset, buffers, what)
+
+    monkeypatch.setattr(LocalFiles, "read_into", read_into)
+    damaged = damaged_copy(saved[fmt], str(tmp_path / "damaged"), "big")
+    file = next(s.relative_path for i, s in read_metadata(damaged).storage_data.items() if i.fqn == "big")
+    with pytest.raises(PartialLoadError, match=rf"{file}: big\[0, 0\]: checksum mismatch.*PARTLY LOADED"):
+        load(fresh_target(source_state(fmt)), damaged)
+    assert len(readers) > 1 and sum(readers.values()) >= 10, readers  # 600 KiB in 64 KiB reads, on several threads
 
 
 # object stores ----------------------------------------------------------------------------------
