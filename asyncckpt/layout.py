@@ -98,6 +98,14 @@ def list_files(storage: Storage, path: str) -> list[str]:
     return names
 
 
+def remove_empty_data_folders(storage: Storage, step_dir: str) -> None:
+    """Remove the data folders (prefix spreading) whose files all went: a filesystem would keep
+    them empty (an object store has no empty folders)."""
+    for name in storage.list_dir(step_dir):
+        if is_data_folder(name):
+            storage.remove_empty_dir(storage.join(step_dir, name))
+
+
 def is_safetensors_file(name: str) -> bool:
     """Whether a data file holds raw tensor bytes (safetensors) rather than torch.save archives."""
     return name.endswith(SAFETENSORS_SUFFIX)

@@ -62,7 +62,9 @@ def _kind(storage: Storage, path: str) -> str:
     if storage.exists(storage.join(path, METADATA_FILE)):
         return "checkpoint"
     names = storage.list_dir(path)
-    if parse_step(os.path.basename(path)) is not None or any(is_data_file(n) or is_data_folder(n) for n in names):
+    if parse_step(os.path.basename(path)) is not None or any(
+        is_data_file(n) or (is_data_folder(n) and storage.is_dir(storage.join(path, n))) for n in names
+    ):
         return "torn"
     if LATEST_FILE in names or list_checkpoints(path, storage):
         return "root"

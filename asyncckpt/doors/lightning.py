@@ -123,7 +123,7 @@ class AsyncCheckpointIO(CheckpointIO):
         }
         if not (self.config.memory_tier and restore_saved(
                 flat, opened, os.path.dirname(target), self.config.memory_dir, RankGroup(no_dist=True),
-                trusted=trusted, wait_s=self.config.timeout_s)):  # from memory when it holds this very save
+                trusted=trusted)):  # from memory when it holds this very save
             load(flat, opened, trusted=trusted, no_dist=True)
         return map_tensors(unflatten_exact(flat, target), _mover(map_location))
 

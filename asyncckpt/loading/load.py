@@ -23,7 +23,7 @@ from .ring import check_ring_bytes
 from .safe_reader import SafeLoadPlanner, SafeReader
 from ..layout import (
     METADATA_FILE, SIDECAR_NAME, CheckpointInfo, is_data_file, is_data_folder, is_temp_file, latest_checkpoint, list_checkpoints,
-    list_files, parse_step,
+    list_files, parse_step, remove_empty_data_folders,
 )
 from ..storage import OpenUpload, is_remote, storage_for
 from .verify import UNCHECKED_HINT, check_items, sidecar_belongs_to, stale_sidecars
@@ -208,11 +208,13 @@ def cleanup(root: str, dry_run: bool = False) -> list[str]:
         raise CheckpointError(f"cleanup: {root!r}: {what}")
     uploads = [u for found in uploads_left_open(storage.open_uploads(root), root=root).values() for u in found]
     leftovers = [storage.join(root, name) for name in storage.list_dir(root) if is_temp_file(name)]
+    spread = []  # committed checkpoints whose data folders may be left empty
     for info in list_checkpoints(root, storage):
         names = list_files(storage, info.path)
         if info.committed:
             leftovers += [storage.join(info.path, n) for n in names if is_temp_file(n)]
             leftovers += [storage.join(info.path, n) for n in unreferenced_files(info.path, names)]
+            spread.append(info.path)
             continue
         foreign = [n for n in names if not (is_data_file(n) or is_temp_file(n) or SIDECAR_NAME.match(n))
                    or storage.is_dir(storage.join(info.path, n))]
@@ -229,6 +231,8 @@ def cleanup(root: str, dry_run: bool = False) -> list[str]:
                 storage.remove_file(path)
         for upload in uploads:
             storage.abort_upload(upload)
+        for step_dir in spread:  # data folders emptied above (prefix spreading)
+            remove_empty_data_folders(storage, step_dir)
     leftovers += [u.path for u in uploads]
     if leftovers and not dry_run:
         log.info("cleanup removed %s", ", ".join(leftovers))

@@ -28,7 +28,6 @@ from .load import load
 from .memory_plan import rebuild_metadata
 from .resume import ResumeReport
 from .opened import OpenCheckpoint, opened_with
-from .byte_sources import LocalFiles
 from .safe_reader import SafeReader, read_metadata
 
 log = logging.getLogger("asyncckpt")
@@ -96,15 +95,17 @@ def restore(
 
 def restore_saved(
     state_dict: dict[str, Any], checkpoint: OpenCheckpoint, root: str, memory_dir: str, group: Ranks, *,
-    trusted: bool, wait_s: float,
+    trusted: bool,
 ) -> bool:
     """The doors' resumes (they load a directory they name): load the committed `checkpoint` from
     the memory copy when every rank holds that very save (the save id its `.metadata` records);
-    False: nothing was loaded, read its files. Every rank decides the same from what all saw."""
+    False: nothing was loaded, read its files. Every rank decides the same from what all saw.
+    It never waits for a copy being staged: a committed save was sealed before its writes began,
+    so a copy still incomplete holds another save (or a failed one) and the files are read."""
     started = time.perf_counter()
     meta = checkpoint.metadata.storage_meta
     save_id = meta.save_id if meta is not None else None
-    copies, seen = _look(memory_dir, root, group, wait_s)
+    copies, seen = _look(memory_dir, root, group, wait_s=0.0)
     if save_id is None or any(s.problem is not None or s.token != save_id for s in seen):
         problems = sorted({s.problem for s in seen if s.problem not in (None, NO_COPY)})
         log.info("memory tier: %s is not the save held in memory%s; loading its files", checkpoint.path,
@@ -206,7 +207,7 @@ def _save_id(path: str) -> Optional[str]:
 
 class MemoryReader(SafeReader):
     """SafeReader over the memory tier's files: the Metadata rebuilt from the headers, the
-    headers' checksums; tensors are raw bytes in the slabs, read in small steps (SlabFiles)."""
+    headers' checksums; tensors are raw bytes in the slabs, read as local files are."""
 
     def __init__(self, memory_dir: str, metadata: Metadata, checksums: dict[tuple[str, int, int], int],
                  trusted: bool) -> None:
@@ -223,15 +224,3 @@ class MemoryReader(SafeReader):
 
     def raw_file(self, relative_path: str) -> bool:
         return True
-
-    def _source(self) -> SlabFiles:
-        return SlabFiles()
-
-
-class SlabFiles(LocalFiles):
-    """The slab files are in memory already: a read is a copy, and the checksum that follows each
-    step reads it again, from the CPU cache if the step fits there. 1 GiB from /dev/shm, CPU
-    seconds: 1 MiB steps 0.42, 256 KiB steps 0.35 (a mapping copied out of: 0.33, but its pages
-    then count in the trainer's PSS, and a file truncated meanwhile would be a SIGBUS)."""
-
-    step_bytes = 256 << 10

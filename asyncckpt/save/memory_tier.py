@@ -78,8 +78,7 @@ class MemoryTier:
     def load_saved(self, state_dict: dict[str, Any], checkpoint: OpenCheckpoint, trusted: bool) -> bool:
         """The doors' resumes: load the committed `checkpoint` from memory when this tier holds its
         very save (see loading/memory_tier.restore_saved); False: nothing loaded, read its files."""
-        return restore_saved(state_dict, checkpoint, self.root, self.config.memory_dir, self.group, trusted=trusted,
-                             wait_s=self.config.timeout_s)
+        return restore_saved(state_dict, checkpoint, self.root, self.config.memory_dir, self.group, trusted=trusted)
 
     def close(self) -> None:
         """A clean close removes this rank's file, unless memory_keep; so does no exit that follows

@@ -19,8 +19,19 @@ def expected_writes(config: CheckpointConfig, storage: Storage, step_dir: str, p
     if config.prefixes is not None or not is_remote(step_dir):
         return 0
     sizes = [_item_bytes(item) for item in plan.items]
-    files = max(1, min(config.io_workers, len(sizes)))
+    files = max(1, _files(config, plan.items))
     return files * storage.writes_to_upload(step_dir, -(-sum(sizes) // files))
+
+
+def _files(config: CheckpointConfig, items) -> int:
+    """The data files a rank writes for `items`, as the worker's make_buckets splits them: up to
+    io_workers per group (the separation_hint's items are a group of their own), and with
+    safetensors one more for the objects."""
+    hint = config.separation_hint
+    separate = sum(1 for item in items if hint is not None and item.index.fqn.startswith(hint))
+    files = sum(min(config.io_workers, n) for n in (len(items) - separate, separate))
+    objects = any(item.tensor_data is None for item in items)
+    return files + (1 if config.format == "safetensors" and objects else 0)
 
 
 def data_folder_for(config: CheckpointConfig, rank: int, ranks: int, most_writes: int, step_dir: str) -> str:

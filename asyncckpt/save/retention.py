@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Iterator, Optional
 
 from ..errors import CheckpointError, CheckpointTimeoutError
-from ..layout import SIDECAR_NAME, is_data_file, is_data_folder, list_files
+from ..layout import SIDECAR_NAME, is_data_file, list_files, remove_empty_data_folders
 from ..loading.load import unreferenced_files, uploads_left_open
 from ..loading.safe_reader import read_metadata
 from ..layout import METADATA_FILE, list_checkpoints, read_latest_marker
@@ -196,14 +196,14 @@ def discard_uncommitted(storage: Storage, step_dir: str, file_tag: str = "", own
             for name in list_files(storage, step_dir):
                 if is_data_file(name) or SIDECAR_NAME.match(name):
                     storage.remove_file(storage.join(step_dir, name))
-            _remove_empty_data_folders(storage, step_dir)
+            remove_empty_data_folders(storage, step_dir)
             storage.remove_empty_dir(step_dir)
         elif file_tag:  # the committed checkpoint stays; so do files its .metadata names (ours, if
             used = _referenced_files(step_dir)  # the commit failed after publishing it)
             for name in list_files(storage, step_dir):
                 if is_data_file(name, tag=file_tag) and name not in used:
                     storage.remove_file(storage.join(step_dir, name))
-            _remove_empty_data_folders(storage, step_dir)
+            remove_empty_data_folders(storage, step_dir)
     except (OSError, CheckpointError) as exc:
         log.warning("could not remove uncommitted files in %s: %s", step_dir, exc)
 
@@ -234,15 +234,7 @@ def remove_replaced_files(storage: Storage, step_dir: str) -> None:
     for name in unreferenced_files(step_dir, list_files(storage, step_dir)):
         storage.remove_file(storage.join(step_dir, name))
         log.debug("removed %s of a replaced save of %s", name, step_dir)
-    _remove_empty_data_folders(storage, step_dir)
-
-
-def _remove_empty_data_folders(storage: Storage, step_dir: str) -> None:
-    """Remove the data folders (prefix spreading) whose files all went: a filesystem would keep
-    them empty (an object store has no empty folders)."""
-    for name in storage.list_dir(step_dir):
-        if is_data_folder(name):
-            storage.remove_empty_dir(storage.join(step_dir, name))
+    remove_empty_data_folders(storage, step_dir)
 
 
 def retention_candidates(storage: Storage, root: str, keep_last: int) -> list[str]:

@@ -97,10 +97,11 @@ def _s3_error(exc: BaseException) -> tuple[Optional[str], Optional[int]]:
 
 def with_retries(call: Callable[[], Any], deadline: Optional[float] = None,
                  policy: Optional[RetryPolicy] = None) -> Any:
-    """`call()`, tried again on transient failures within the policy and
-    the monotonic `deadline`. A backoff that would end past the window is cut short at its end,
-    where one last try is made (a fault that ends within the window is always outlasted). The
-    last failure is raised; one of expired credentials becomes a PermissionError that says so."""
+    """`call()`, tried again on transient failures within the policy and the monotonic
+    `deadline`. A backoff that would end past the window is cut short at its end, where one last
+    try is made (so a fault that ends within the window is outlasted unless the attempts run out
+    first). The last failure is raised; one of expired credentials becomes a PermissionError that
+    says so."""
     policy = policy or RetryPolicy.from_env()
     started = time.monotonic()
     end = started + policy.window_s if deadline is None else min(started + policy.window_s, deadline)

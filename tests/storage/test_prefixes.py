@@ -173,6 +173,12 @@ def test_local_prefixes_load_with_stock_filesystem_reader(tmp_path):
     os.makedirs(os.path.join(torn, "p00"))
     open(os.path.join(torn, "p00", "__0_0.distcp"), "wb").close()
     assert cleanup(root) == [torn] and not os.path.exists(torn)
+    # a committed checkpoint's stray file in a data folder of its own goes, and so does the folder
+    stray = os.path.join(step_path(root, 2), "p03", "__3_0.distcp")
+    os.makedirs(os.path.dirname(stray))
+    open(stray, "wb").close()
+    assert cleanup(root) == [stray]
+    assert not os.path.exists(os.path.dirname(stray)) and os.listdir(os.path.join(step_path(root, 2), "p00"))
 
 
 def test_failed_save_leaves_nothing_in_any_prefix(s3_server, tmp_path, monkeypatch, request):
