@@ -71,12 +71,14 @@ class MemoryRestore:
 
 
 def restore(
-    state_dict: dict[str, Any], root: str, memory_dir: str, group: Ranks, *, trusted: bool, wait_s: float
+    state_dict: dict[str, Any], root: str, memory_dir: str, group: Ranks, *, trusted: bool, wait_s: float,
+    key: Optional[str] = None,
 ) -> Optional[MemoryRestore]:
     """Load the memory copy into `state_dict` when it is the one to resume from (every rank
-    decides the same); None: resume from the disk."""
+    decides the same); None: resume from the disk. `key`: what keys the tier's files, when not
+    the root (save/memory_tier._tier_key)."""
     started = time.perf_counter()
-    copies, seen = _look(memory_dir, root, group, wait_s)
+    copies, seen = _look(memory_dir, key or root, group, wait_s)
     decision = group.broadcast(decide(seen, root) if group.is_coordinator else None)
     if not decision.use:
         if decision.warn:
@@ -94,7 +96,7 @@ def restore(
 
 
 def restore_saved(
-    state_dict: dict[str, Any], checkpoint: OpenCheckpoint, root: str, memory_dir: str, group: Ranks, *,
+    state_dict: dict[str, Any], checkpoint: OpenCheckpoint, key: str, memory_dir: str, group: Ranks, *,
     trusted: bool,
 ) -> bool:
     """The doors' resumes (they load a directory they name): load the committed `checkpoint` from
@@ -105,7 +107,7 @@ def restore_saved(
     started = time.perf_counter()
     meta = checkpoint.metadata.storage_meta
     save_id = meta.save_id if meta is not None else None
-    copies, seen = _look(memory_dir, root, group, wait_s=0.0)
+    copies, seen = _look(memory_dir, key, group, wait_s=0.0)
     if save_id is None or any(s.problem is not None or s.token != save_id for s in seen):
         problems = sorted({s.problem for s in seen if s.problem not in (None, NO_COPY)})
         log.info("memory tier: %s is not the save held in memory%s; loading its files", checkpoint.path,

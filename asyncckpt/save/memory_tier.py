@@ -18,6 +18,8 @@ import time
 import uuid
 from typing import Any, Optional
 
+import torch.distributed as dist
+
 from ..config import CheckpointConfig
 from ..errors import CheckpointError
 from ..loading.memory_plan import encode_plan
@@ -46,15 +48,16 @@ class MemoryTier:
             raise CheckpointError(f"memory_tier: memory_dir {directory!r} is not a writable directory")
         self.config = config
         self.root = root
+        self.key = _tier_key(root, group)  # names its files and is recorded in their headers
         self.group = group
-        self.path = os.path.join(directory, memory_file_name(root, group.rank))
+        self.path = os.path.join(directory, memory_file_name(self.key, group.rank))
         self._instance = group.broadcast(uuid.uuid4().hex)  # every rank's save ids agree without a collective
         self._saves = 0
         self._plans: dict[str, bytes] = {}  # by structure key
-        remove_stale(directory, keep=memory_file_name(root, 0).rsplit("-rank", 1)[0] + "-rank")
+        remove_stale(directory, keep=memory_file_name(self.key, 0).rsplit("-rank", 1)[0] + "-rank")
 
     def worker_settings(self) -> MemoryTierSettings:
-        return MemoryTierSettings(self.path, root_key(self.root), self.group.size, hold_s=self.config.timeout_s)
+        return MemoryTierSettings(self.path, root_key(self.key), self.group.size, hold_s=self.config.timeout_s)
 
     def next_save(self, planned: PlannedSave, step: Optional[int], memory_only: bool) -> MemorySave:
         """The header's record of the save being scheduled (the plan is sent when it is new to
@@ -73,12 +76,12 @@ class MemoryTier:
     def restore(self, state_dict: dict[str, Any], trusted: bool) -> Optional[MemoryRestore]:
         """Load the memory copy when it is the one to resume from (see loading/memory_tier.py)."""
         return restore(state_dict, self.root, self.config.memory_dir, self.group, trusted=trusted,
-                       wait_s=self.config.timeout_s)
+                       wait_s=self.config.timeout_s, key=self.key)
 
     def load_saved(self, state_dict: dict[str, Any], checkpoint: OpenCheckpoint, trusted: bool) -> bool:
         """The doors' resumes: load the committed `checkpoint` from memory when this tier holds its
         very save (see loading/memory_tier.restore_saved); False: nothing loaded, read its files."""
-        return restore_saved(state_dict, checkpoint, self.root, self.config.memory_dir, self.group, trusted=trusted)
+        return restore_saved(state_dict, checkpoint, self.key, self.config.memory_dir, self.group, trusted=trusted)
 
     def close(self) -> None:
         """A clean close removes this rank's file, unless memory_keep; so does no exit that follows
@@ -122,3 +125,14 @@ def remove_stale(directory: str, keep: str) -> list[str]:
     if removed:
         log.info("memory tier: removed %d stale files of dead jobs: %s", len(removed), ", ".join(removed))
     return removed
+
+
+def _tier_key(root: str, group: RankGroup) -> str:
+    """What keys a tier: its root (or a door's folder). Processes that save alone (no_dist) inside
+    a job of several may save into one folder (async_save(no_dist=True) on every rank), and each
+    must keep a file of its own: all but the job's rank 0 add their rank to the key. Rank 0 keeps
+    the folder alone, so where only it saves (Lightning's plugin) every rank that loads the
+    folder finds its copy under that name."""
+    if group.size == 1 and dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+        return f"{root}#process{dist.get_rank()}"
+    return root

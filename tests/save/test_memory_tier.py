@@ -190,6 +190,29 @@ def test_two_ranks_restore_from_memory_and_both_use_the_disk_when_one_lacks_its_
     run_ranks(_two_ranks, 2, str(tmp_path / "ckpt"), str(shm))
 
 
+def _alone_in_one_folder(rank: int, world: int, folder: str, shm: str) -> None:
+    from asyncckpt.loading.opened import open_checkpoint
+
+    state = state_at(rank + 1)
+    with AsyncCheckpointer(None, config(shm), no_dist=True, memory_folder=folder) as ckpt:
+        path = os.path.join(folder, f"rank{rank}")
+        ckpt.schedule_save(state, checkpoint_dir=path)
+        ckpt.finalize(blocking=True)
+        dist.barrier()  # both saved: neither file may have replaced the other
+        target = zeros_like_state(state_at(0))
+        assert ckpt.memory_tier.load_saved(target, open_checkpoint(path), trusted=True), f"rank {rank}"
+        assert_state_equal(target, state)
+        dist.barrier()
+
+
+def test_processes_saving_alone_into_one_folder_keep_a_memory_file_each(tmp_path):
+    """async_save(no_dist=True) on every rank into one folder: each process's tier has a file of
+    its own (they shared one name, so one copy replaced the other, or creating it raced)."""
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    run_ranks(_alone_in_one_folder, 2, str(tmp_path / "ckpts"), str(shm))
+
+
 def test_stale_files_of_dead_jobs_are_removed_and_nothing_else(tmp_path):
     from asyncckpt.save.memory_tier import STALE_AFTER_S, remove_stale
 
