@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from torch.distributed.checkpoint.metadata import Metadata
 
@@ -40,6 +40,7 @@ class InFlightSave:
     base_dirs: tuple[str, ...] = ()  # incremental: the checkpoints whose files it may reuse
     memory: Optional[MemorySave] = None  # the memory tier's record of it (memory_only: not written)
     requests_before: dict = field(default_factory=dict)  # this process's object-store requests before the save
+    hand_off: Optional[Any] = None  # a first save's first_save.HandOff: the worker is its thread's until it ends
 
     def report(self, rank: int, verdict: Verdict, outcome: RankOutcome, collectives_now: int) -> SaveReport:
         """The figures of this save, once committed."""

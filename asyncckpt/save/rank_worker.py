@@ -48,6 +48,9 @@ class RankWorker:
     def ready(self) -> bool:  # started up and alive: a save waits for no start-up
         return self._client is not None and self._client.poll_ready() and self._client.is_alive()
 
+    def holds_nothing_in(self, slot: int) -> bool:  # a save in `slot` sends every tensor (a first save, a new worker)
+        return self._holds[slot] is None
+
     @property
     def alive(self) -> bool:
         return self._client is not None and self._client.is_alive()
