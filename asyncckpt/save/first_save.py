@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
 import torch
@@ -23,7 +24,9 @@ import torch
 from .inflight import InFlightSave
 from ..protocol import IncrementalBase
 from .rank_worker import RankWorker
-from .sharing import SHM_HEADROOM_BYTES, move_into_shared_memory, shareable_tensor, shm_bytes, shm_free_bytes
+from .sharing import (
+    SHARE_THREADS, SHM_HEADROOM_BYTES, move_into_shared_memory, shareable_tensor, shm_bytes, shm_free_bytes,
+)
 from .snapshot import Snapshot
 
 ALIGN = 64  # bytes: where each tensor's copy starts in the copy's one buffer
@@ -87,13 +90,13 @@ def private_snapshot(snapshot: Snapshot, worker: RankWorker, slot: int) -> Optio
     if free is not None and shm_bytes(total) + SHM_HEADROOM_BYTES > free:
         return None
     buffer = torch.empty(total, dtype=torch.uint8)
-    copies = []
-    for tensor, offset in zip(snapshot.tensors, offsets):
-        if tensor is None:
-            copies.append(None)
-            continue
-        nbytes = tensor.numel() * tensor.element_size()
-        copies.append(buffer[offset:offset + nbytes].view(tensor.dtype).view(tensor.shape).copy_(tensor))
+    copies = [None if t is None else buffer[o:o + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+              for t, o in zip(snapshot.tensors, offsets)]
+    pairs = sorted(((c, t) for c, t in zip(copies, snapshot.tensors) if t is not None), key=lambda p: -p[0].nbytes)
+    # largest first on a few threads: most of the time is the kernel faulting fresh pages in, which
+    # runs in parallel (measured, 1 GiB: median 0.39 s on 4 threads, 0.60 s in one loop of copy_)
+    with ThreadPoolExecutor(SHARE_THREADS, thread_name_prefix="asyncckpt-copy") as pool:
+        list(pool.map(lambda pair: pair[0].copy_(pair[1]), pairs))
     return dataclasses.replace(snapshot, tensors=copies, fingerprints=[None] * len(copies), always_fresh=frozenset())
 
 
