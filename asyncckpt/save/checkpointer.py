@@ -344,7 +344,7 @@ class AsyncCheckpointer:
     # save path -------------------------------------------------------------------------------
     def _finish_in_flight(self, blocking: bool) -> None:
         flight = self._in_flight
-        if flight.outcome is None and self._worker_free(wait=blocking):
+        if self._worker_free(wait=blocking) and flight.outcome is None:  # (a first save's hand-off sets it)
             flight.outcome = self._worker.outcome(flight, blocking)
         ident = -1 if flight.step is None else flight.step
         bound, pending = finalize_bound_s(self.config, flight.to_starting_worker), flight.outcome is None

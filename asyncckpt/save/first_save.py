@@ -30,17 +30,18 @@ from .sharing import (
 from .snapshot import Snapshot
 
 ALIGN = 64  # bytes: where each tensor's copy starts in the copy's one buffer
-EXTRA_BOUND_S = 60.0  # beyond the worker's start-up and a send: moving the copy into shared memory
+EXTRA_BOUND_S = 60.0  # beyond the worker's start-up and its bounded answers: moving the copy into shared memory
 
 
 class HandOff:
-    """One first save handed to the worker by a thread of its own. The trainer touches the worker
-    again only once `finished` says the thread is done."""
+    """One first save handed to the worker by a thread of its own, which also takes the worker's
+    answers to it (staged, written, the trainer's tensors taken) into `flight.outcome`. The
+    trainer touches the worker again only once `finished` says the thread is done."""
 
     def __init__(self, worker: RankWorker, flight: InFlightSave, copy: Snapshot, own: Snapshot,
                  bases: tuple[IncrementalBase, ...], slot: int) -> None:
         self.worker, self.flight = worker, flight
-        self.bound_s = worker.config.worker_start_timeout_s + 2 * worker.config.timeout_s + EXTRA_BOUND_S
+        self.bound_s = worker.config.worker_start_timeout_s + 3 * worker.config.timeout_s + EXTRA_BOUND_S
         flight.to_starting_worker = True  # its bounds include the worker's start-up
         self._thread = threading.Thread(target=self._run, args=(copy, own, bases, slot),
                                         name="asyncckpt-first-save", daemon=True)
@@ -62,6 +63,9 @@ class HandOff:
             self.worker.ensure_alive()  # a worker that died meanwhile is replaced here, off the trainer's path
             self.worker.send(self.flight, copy, bases, slot)
             self.worker.prepare(own, slot)  # taken after the copy's save: the copy is let go then
+            outcome = self.worker.outcome(self.flight, blocking=True)  # bounded; never raises
+            self.worker.settle_preparation()  # the save is over once the worker holds the trainer's tensors
+            self.flight.outcome = outcome
         except Exception as exc:  # reaches every rank as CheckpointError through finalize's verdict
             self.flight.error = f"handing the save to the worker failed: {type(exc).__name__}: {exc}"
 

@@ -100,6 +100,10 @@ class RankWorker:
         self._holds[request.slot] = WorkerHolds(snapshot.structure_key, snapshot.fingerprints, snapshot.tensors)
         self._preparing = request.save_id
 
+    def settle_preparation(self) -> None:
+        """Take the answer to a preparation under way, if any (bounded; a failed one is logged)."""
+        self._await_prepared()
+
     def _await_prepared(self) -> None:
         """Take the answer to a preparation (waiting for it, bounded): a preparation that failed
         is logged, and the save sends everything as if there had been none."""
