@@ -5,6 +5,7 @@ by these names too, so this module imports nothing of the trainer side."""
 from __future__ import annotations
 
 import logging
+import os
 import re
 import uuid
 from dataclasses import dataclass
@@ -104,6 +105,20 @@ def remove_empty_data_folders(storage: Storage, step_dir: str) -> None:
     for name in storage.list_dir(step_dir):
         if is_data_folder(name):
             storage.remove_empty_dir(storage.join(step_dir, name))
+
+
+def save_directory(root: Optional[str], step: Optional[int], checkpoint_dir: Optional[str]) -> tuple[Optional[str], str]:
+    """Where a save goes, after checking its arguments: (the step directory's name, or None for a
+    `checkpoint_dir` the caller named; the directory written)."""
+    if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
+        raise ValueError(f"step must be a non-negative integer, not {step!r}")
+    if checkpoint_dir is not None:
+        return None, os.fspath(checkpoint_dir)
+    if step is None:
+        raise ValueError("schedule_save needs a step (saved as ROOT/step_N) or a checkpoint_dir")
+    if root is None:
+        raise ValueError("schedule_save(step=...) needs a checkpoint root: AsyncCheckpointer(root, ...)")
+    return step_dir_name(step), storage_for(root).join(root, step_dir_name(step))
 
 
 def is_safetensors_file(name: str) -> bool:

@@ -64,7 +64,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--dir", default="bench_out/data", help="directory on the disk under test")
     p.add_argument("--out", default="bench_out/bench.json", help="JSON with every raw number")
     p.add_argument("--plot", default=None, help="write a PNG of blocked / durable times here")
-    p.add_argument("--methods", default=None, help=f"comma list, subset of: {', '.join(ALL_METHODS)}")
+    methods = ", ".join(ALL_METHODS).replace("%", "%%")  # argparse %-formats help: "s3 1% 503" broke --help
+    p.add_argument("--methods", default=None, help=f"comma list, subset of: {methods}")
     p.add_argument("--interference-saves", type=int, default=2, help="saves timed against the compute loop")
     p.add_argument("--idle-steps", type=int, default=20, help="idle compute steps around each of those")
     p.add_argument("--step-ms", type=float, default=25.0, help="uncontended compute-step time, ms")

@@ -17,14 +17,15 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from ..config import CheckpointConfig
 from ..errors import CheckpointError
-from ..layout import METADATA_FILE, new_file_tag, step_dir_name
+from ..layout import METADATA_FILE, new_file_tag, save_directory
 from ..loading.resume import ResumeReport, resume
 from ..protocol import CACHE_SLOTS
 from ..report import SaveReport, publish
-from ..storage import storage_for
+from ..storage import is_remote, storage_for
 from ..storage.requests import COUNTER
 from . import at_exit
 from .commit import RankOutcome, SaveTarget, finish_save
+from .first_save import hand_off_if_starting
 from .guard import GuardHandles, guard_calls
 from .incremental import Continuation
 from .inflight import InFlightSave
@@ -115,17 +116,17 @@ class AsyncCheckpointer:
         (a local path, msc:// or s3://; `step` is then only a label, and the caller manages its
         directories). Re-saving a committed checkpoint replaces it at commit, never before.
 
-        Eager staging returns once the worker holds its copy; lazy staging returns at once and
-        the state must not change before `wait_staged()` (or the `guard` hook) returns.
-        `wait=False` returns without waiting for staging in eager mode too: for a state nobody
-        changes afterwards (a private copy), e.g. while a fresh worker is still starting.
+        Eager staging returns once the worker holds its copy (or, while it starts, this process
+        holds a private one: first_save.py); lazy staging returns at once and the state must not
+        change before `wait_staged()` (or the `guard` hook) returns. `wait=False`: no wait for
+        staging in eager mode either, for a state nobody changes afterwards (a private copy).
         `cache_slot` (0 or 1): the worker keeps one structure and its tensors cached per slot; a
         caller whose saves alternate between two sets of tensors (its model's, a held copy of
         them) gives each set its own slot, and neither is sent again. `memory_only=True` (memory_tier):
         stage into the memory tier and write nothing; the next disk save persists the state.
         With several ranks every rank must call this at the same point."""
         self._check_open()
-        name, step_dir = self._target(step, checkpoint_dir)
+        name, step_dir = save_directory(self.root, step, checkpoint_dir)
         if not isinstance(state_dict, dict):
             raise TypeError(f"state_dict must be a dict, not {type(state_dict).__name__}")
         if cache_slot not in range(CACHE_SLOTS) or type(cache_slot) is not int:
@@ -153,7 +154,8 @@ class AsyncCheckpointer:
             if not memory_only:  # a memory-only save writes nothing there
                 self._janitor.claim(step_dir, self.config.timeout_s)  # retention stays out of it
                 created = name is None and not is_dir_or_unknown(storage, step_dir)
-                storage.prepare_dir(step_dir, self.config.fsync)  # proves it writable first; its entry durable
+                if self._group.is_coordinator or not is_remote(step_dir):  # (no probe per rank in one S3 prefix)
+                    storage.prepare_dir(step_dir, self.config.fsync)  # proves it writable first; its entry durable
                 overwrite = self._group.is_coordinator and storage.exists(storage.join(step_dir, METADATA_FILE))
             local = self._planning.local(state_dict, self._group.is_coordinator)
             writes = 0 if memory_only else expected_writes(self.config, storage, step_dir, local.plan)  # spreading
@@ -187,8 +189,11 @@ class AsyncCheckpointer:
         try:
             snapshot = take_snapshot(planned)
             self._warnings.about(snapshot)
-            self._worker.ensure_alive()
-            self._worker.send(flight, snapshot, bases, cache_slot)
+            if wait and self._memory is None:  # a worker still starting gets a private copy, off this thread
+                flight.hand_off = hand_off_if_starting(self._worker, flight, snapshot, bases, cache_slot)
+            if flight.hand_off is None:
+                self._worker.ensure_alive()
+                self._worker.send(flight, snapshot, bases, cache_slot)
         except Exception as exc:  # e.g. an entry that cannot be resolved or shared
             if self._group.size == 1:
                 discard_uncommitted(storage, step_dir, file_tag, owns_dir)
@@ -201,11 +206,10 @@ class AsyncCheckpointer:
 
     def prepare(self, state_dict: dict[str, Any]) -> None:
         """Do a save's one-time work now, so the first `schedule_save` of this state costs what a
-        later one does. Call it where nothing changes the state (e.g. before the training loop):
-        it plans the save (a collective with several ranks: every rank calls it at the same point),
-        moves CPU tensors into shared memory in place (about a second per GiB, here, once) and
-        hands the tensors to the worker, which allocates, faults in and (for CUDA tensors) pins
-        its staging slab in the background. Optional: without it the first save does all this."""
+        later one does. Call it where nothing changes the state (e.g. before the training loop): it
+        plans the save (a collective with several ranks: every rank calls it at the same point), moves
+        CPU tensors into shared memory in place (~0.3 s/GiB, once) and hands them to the worker, which
+        readies its slab in the background. Optional: else the first save does this (first_save.py)."""
         self._check_open()
         if not isinstance(state_dict, dict):
             raise TypeError(f"state_dict must be a dict, not {type(state_dict).__name__}")
@@ -233,8 +237,8 @@ class AsyncCheckpointer:
     def wait_staged(self) -> None:
         """Block until the in-flight save's snapshot is copied (bounded by timeout_s)."""
         flight = self._in_flight
-        if flight is None or flight.staged is not None or flight.error is not None:
-            return
+        if flight is None or flight.staged is not None or flight.error is not None or flight.hand_off is not None:
+            return  # (a private copy was handed over: nothing of the caller's is read after the call)
         self._worker.await_staged(flight)
         if flight.error is not None and self._group.size == 1:  # one rank: say it now; several: at finalize
             self._in_flight = None
@@ -293,16 +297,19 @@ class AsyncCheckpointer:
 
     @property
     def worker_ready(self) -> bool:  # the worker has started up (and lives): a save waits for no start-up
-        return self._worker.ready
+        return self._worker_free() and self._worker.ready
 
     @property
     def worker_alive(self) -> bool:  # started or starting, and not dead
-        return self._worker.alive
+        return not self._worker_free() or self._worker.alive
+
+    def _worker_free(self, wait: bool = False) -> bool:  # no first save's hand-off uses the worker now
+        return self._in_flight is None or self._in_flight.hand_off is None or self._in_flight.hand_off.finished(wait)
 
     def ensure_worker(self) -> None:
-        """Start a worker if there is none (it died, or was killed after a failure), without
-        waiting for it: the next save would otherwise start it, and wait for it."""
+        """Start a worker if there is none (it died, or was killed), without waiting for it."""
         self._check_open()
+        self._worker_free(wait=True)
         self._worker.ensure_alive()
 
     def take_folder_of(self, checkpoint_dir: str) -> None:
@@ -347,7 +354,7 @@ class AsyncCheckpointer:
     # save path -------------------------------------------------------------------------------
     def _finish_in_flight(self, blocking: bool) -> None:
         flight = self._in_flight
-        if flight.outcome is None:
+        if self._worker_free(wait=blocking) and flight.outcome is None:  # (a first save's hand-off sets it)
             flight.outcome = self._worker.outcome(flight, blocking)
         ident = -1 if flight.step is None else flight.step
         bound, pending = finalize_bound_s(self.config, flight.to_starting_worker), flight.outcome is None
@@ -374,18 +381,6 @@ class AsyncCheckpointer:
         report = flight.report(self.rank, verdict, flight.outcome, self._group.collectives)
         self._committed.append(report)
         publish(report, self.config.metrics_path, self.config.on_commit)
-
-    def _target(self, step: Optional[int], checkpoint_dir: Optional[str]) -> tuple[Optional[str], str]:
-        """(step directory name or None, the directory a save writes), after checking the arguments."""
-        if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
-            raise ValueError(f"step must be a non-negative integer, not {step!r}")
-        if checkpoint_dir is not None:
-            return None, os.fspath(checkpoint_dir)
-        if step is None:
-            raise ValueError("schedule_save needs a step (saved as ROOT/step_N) or a checkpoint_dir")
-        if self.root is None:
-            raise ValueError("schedule_save(step=...) needs a checkpoint root: AsyncCheckpointer(root, ...)")
-        return step_dir_name(step), storage_for(self.root).join(self.root, step_dir_name(step))
 
     @property
     def in_flight_dir(self) -> Optional[str]:

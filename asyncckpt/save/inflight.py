@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from torch.distributed.checkpoint.metadata import Metadata
 
@@ -41,6 +41,7 @@ class InFlightSave:
     memory: Optional[MemorySave] = None  # the memory tier's record of it (memory_only: not written)
     requests_before: dict = field(default_factory=dict)  # this process's object-store requests before the save
     data_folder: str = ""  # this rank's data files go in this folder of step_dir (layout.py: prefix spreading)
+    hand_off: Optional[Any] = None  # a first save's first_save.HandOff: the worker is its thread's until it ends
 
     def report(self, rank: int, verdict: Verdict, outcome: RankOutcome, collectives_now: int) -> SaveReport:
         """The figures of this save, once committed."""

@@ -48,6 +48,9 @@ class RankWorker:
     def ready(self) -> bool:  # started up and alive: a save waits for no start-up
         return self._client is not None and self._client.poll_ready() and self._client.is_alive()
 
+    def holds_nothing_in(self, slot: int) -> bool:  # a save in `slot` sends every tensor (a first save, a new worker)
+        return self._holds[slot] is None
+
     @property
     def alive(self) -> bool:
         return self._client is not None and self._client.is_alive()
@@ -96,6 +99,10 @@ class RankWorker:
         self._client.send(request, self.config.timeout_s)
         self._holds[request.slot] = WorkerHolds(snapshot.structure_key, snapshot.fingerprints, snapshot.tensors)
         self._preparing = request.save_id
+
+    def settle_preparation(self) -> None:
+        """Take the answer to a preparation under way, if any (bounded; a failed one is logged)."""
+        self._await_prepared()
 
     def _await_prepared(self) -> None:
         """Take the answer to a preparation (waiting for it, bounded): a preparation that failed

@@ -70,7 +70,7 @@ ZYGOTE = zygote_script(
                 tensor.copy_(base).add_(float(step * 1000 + i if i else 0))  # t0 never changes
             state["meta"] = {{"step": step, "tag": f"step-{{step}}"}}
             ckpt.schedule_save(state, step=step)
-            if first:
+            if first and ckpt.worker_ready:  # (a first save returns before its worker is up)
                 print("ready", os.getpid(), ckpt.worker_pid, resumed, flush=True)
                 first = False
             ckpt.finalize()

@@ -105,7 +105,8 @@ def test_the_worker_says_in_ps_what_it_is_and_whose(tmp_path):
     "python"; with setproctitle installed, its command line is "asyncckpt worker rank <rank>"
     instead of multiprocessing's spawn line."""
     with AsyncCheckpointer(str(tmp_path / "ckpt")) as ckpt:
-        ckpt.schedule_save(state(), step=1)  # staged: the worker is past its start-up
+        ckpt.schedule_save(state(), step=1)
+        ckpt.finalize(blocking=True)  # written: the worker is past its start-up
         worker = psutil.Process(ckpt.worker_pid)
         assert worker.name() == "asyncckpt-w0"
         with open(f"/proc/{worker.pid}/comm") as f:
