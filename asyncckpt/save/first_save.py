@@ -25,7 +25,8 @@ from .inflight import InFlightSave
 from ..protocol import IncrementalBase
 from .rank_worker import RankWorker
 from .sharing import (
-    SHARE_THREADS, SHM_HEADROOM_BYTES, move_into_shared_memory, shareable_tensor, shm_bytes, shm_free_bytes,
+    SHARE_THREADS, SHM_HEADROOM_BYTES, available_memory_bytes, move_into_shared_memory, shareable_tensor, shm_bytes,
+    shm_free_bytes,
 )
 from .snapshot import Snapshot
 
@@ -80,7 +81,8 @@ def hand_off_if_starting(worker: RankWorker, flight: InFlightSave, snapshot: Sna
 def private_snapshot(snapshot: Snapshot, worker: RankWorker, slot: int) -> Optional[Snapshot]:
     """A copy of `snapshot`'s tensors in ordinary memory, when its worker is still starting and
     would be sent every tensor (nothing prepared), and a copy is cheap and safe: CPU tensors only,
-    and room in /dev/shm for the copy at hand-off (asked before copying anything). None otherwise:
+    room in /dev/shm for the copy at hand-off, and at least twice its size in available memory
+    (asked before copying anything). None otherwise:
     the save waits for the worker instead. The copies are views of one buffer: one shared-memory
     segment, so the copy costs no open files beyond one (a state of many tensors needs one each)."""
     if worker.ready or not worker.holds_nothing_in(slot) or snapshot.cuda_devices:
@@ -90,8 +92,10 @@ def private_snapshot(snapshot: Snapshot, worker: RankWorker, slot: int) -> Optio
         offsets.append(total)
         if tensor is not None:
             total += -(-tensor.numel() * tensor.element_size() // ALIGN) * ALIGN
-    free = shm_free_bytes()
+    free, available = shm_free_bytes(), available_memory_bytes()
     if free is not None and shm_bytes(total) + SHM_HEADROOM_BYTES > free:
+        return None
+    if available is not None and 2 * total > available:  # no copy that would push the job towards swap or OOM
         return None
     buffer = torch.empty(total, dtype=torch.uint8)
     copies = [None if t is None else buffer[o:o + t.numel() * t.element_size()].view(t.dtype).view(t.shape)

@@ -108,6 +108,19 @@ def shm_free_bytes(path: str = SHM_DIR) -> Optional[int]:
     return st.f_bavail * st.f_frsize
 
 
+def available_memory_bytes() -> Optional[int]:
+    """The memory the kernel says can be allocated without swapping (MemAvailable), or None where
+    /proc/meminfo does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
 def check_shm_space(needed: int, free: Optional[int] = None, path: str = SHM_DIR) -> None:
     """Raise CheckpointError when `needed` bytes will not fit in `path` (free bytes from statvfs
     unless given). Writing past a full tmpfs kills the process with SIGBUS, so fail first."""

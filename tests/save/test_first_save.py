@@ -88,3 +88,21 @@ def test_a_worker_that_never_comes_up_fails_the_first_save_at_finalize_and_the_n
         expected, report = save_and_change(ckpt, state, 2, worker_starting=True)
     assert_saved(root, 2, expected)
     assert not (tmp_path / "ckpt" / "step_00000001" / ".metadata").exists()
+
+
+def test_no_private_copy_where_memory_is_short(tmp_path, monkeypatch):
+    """A copy that would leave less than its own size of memory available is not taken: the save
+    waits for the worker, as before, and still holds the values of its call."""
+    from asyncckpt.save import first_save
+
+    monkeypatch.setattr(first_save, "available_memory_bytes", lambda: 64 << 10)  # less than twice the state
+    root = str(tmp_path / "ckpt")
+    state = make_state()
+    with AsyncCheckpointer(root) as ckpt:
+        expected = clone_state(state)
+        ckpt.schedule_save(state, step=1)
+        assert ckpt.worker_ready  # the call waited for the worker's start-up (and staged into it)
+        with torch.no_grad():
+            state["model"]["w"].add_(1000.0)
+        ckpt.finalize(blocking=True)
+    assert_saved(root, 1, expected)
