@@ -235,6 +235,31 @@ def assert_state_equal(actual, expected, path: str = "") -> None:
         assert actual == expected, f"value differs at {path}: {actual!r} != {expected!r}"
 
 
+def assert_step_holds(root: str, step: int, expected: dict) -> None:
+    """ROOT/step_N loads (asyncckpt.load) into exactly `expected`."""
+    from asyncckpt import load
+
+    target = zeros_like_state(expected)
+    load(target, step_path(root, step))
+    assert_state_equal(target, expected)
+
+
+def assert_loads_on_s3(path: str, expected: dict) -> None:
+    """A checkpoint on the object store loads into exactly `expected` through stock dcp.load (msc's
+    reader) and through asyncckpt.load with verify=True."""
+    import torch.distributed.checkpoint as dcp
+    from multistorageclient.contrib.torch import MultiStorageFileSystemReader
+
+    from asyncckpt import load
+
+    target = zeros_like_state(expected)
+    dcp.load(target, storage_reader=MultiStorageFileSystemReader(path, thread_count=2), no_dist=True)
+    assert_state_equal(target, expected)
+    target = zeros_like_state(expected)
+    load(target, path, verify=True)
+    assert_state_equal(target, expected)
+
+
 def owned_memory_bytes(pid: int) -> int:
     """Memory a process owns: its private pages plus its own shared mappings (the worker's
     staging slab is a MAP_SHARED memfd so forked writers can map it; smaps names it

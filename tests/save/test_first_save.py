@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from asyncckpt import AsyncCheckpointer, CheckpointConfig, CheckpointError, load
-from conftest import assert_state_equal, clone_state, step_path, zeros_like_state
+from conftest import assert_step_holds, clone_state, step_path, zeros_like_state
 from multirank import run_ranks
 
 
@@ -38,11 +38,6 @@ def save_and_change(ckpt: AsyncCheckpointer, state: dict, step: int, *, worker_s
     return expected, report
 
 
-def assert_saved(root: str, step: int, expected: dict) -> None:
-    target = zeros_like_state(expected)
-    load(target, step_path(root, step))
-    assert_state_equal(target, expected)
-
 
 @pytest.mark.parametrize("io", ["thread", "process"])
 def test_a_save_right_after_the_constructor_holds_the_values_of_its_call_and_the_next_sends_nothing(tmp_path, io):
@@ -53,8 +48,8 @@ def test_a_save_right_after_the_constructor_holds_the_values_of_its_call_and_the
         expected2, second = save_and_change(ckpt, state, 2, worker_starting=False)
     assert first.tensors_sent > 0
     assert second.tensors_sent == 0 and second.cache_hit, second  # the trainer's own tensors were handed over
-    assert_saved(root, 1, expected1)
-    assert_saved(root, 2, expected2)
+    assert_step_holds(root, 1, expected1)
+    assert_step_holds(root, 2, expected2)
 
 
 def _first_save_on_ranks(rank: int, world: int, root: str) -> None:
@@ -86,7 +81,7 @@ def test_a_worker_that_never_comes_up_fails_the_first_save_at_finalize_and_the_n
             ckpt.finalize(blocking=True)
         ckpt.config = dataclasses.replace(quick, worker_start_timeout_s=300.0, timeout_s=120.0)
         expected, report = save_and_change(ckpt, state, 2, worker_starting=True)
-    assert_saved(root, 2, expected)
+    assert_step_holds(root, 2, expected)
     assert not (tmp_path / "ckpt" / "step_00000001" / ".metadata").exists()
 
 
@@ -105,4 +100,4 @@ def test_no_private_copy_where_memory_is_short(tmp_path, monkeypatch):
         with torch.no_grad():
             state["model"]["w"].add_(1000.0)
         ckpt.finalize(blocking=True)
-    assert_saved(root, 1, expected)
+    assert_step_holds(root, 1, expected)

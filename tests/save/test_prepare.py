@@ -12,7 +12,7 @@ import torch
 
 from asyncckpt import AsyncCheckpointer, CheckpointError, load
 from asyncckpt.save import sharing
-from conftest import assert_state_equal, clone_state, step_path, zeros_like_state
+from conftest import assert_step_holds, clone_state, step_path, zeros_like_state
 from multirank import run_ranks
 
 
@@ -34,11 +34,6 @@ def save_and_change(ckpt: AsyncCheckpointer, state: dict, step: int):
     return expected, report
 
 
-def assert_saved(root: str, step: int, expected: dict) -> None:
-    target = zeros_like_state(expected)
-    load(target, step_path(root, step))
-    assert_state_equal(target, expected)
-
 
 def test_the_first_save_after_prepare_sends_nothing_and_holds_the_values_of_its_call(ckpt_root):
     state = make_state()
@@ -48,7 +43,7 @@ def test_the_first_save_after_prepare_sends_nothing_and_holds_the_values_of_its_
             tensor.mul_(2.0)
         expected, report = save_and_change(ckpt, state, 1)
     assert report.tensors_sent == 0 and report.cache_hit and report.plan_reused, report
-    assert_saved(ckpt_root, 1, expected)
+    assert_step_holds(ckpt_root, 1, expected)
 
 
 def test_a_state_reallocated_after_prepare_is_saved_from_its_new_tensors(ckpt_root):
@@ -61,8 +56,8 @@ def test_a_state_reallocated_after_prepare_is_saved_from_its_new_tensors(ckpt_ro
         assert report.tensors_sent > 0
         expected2, report2 = save_and_change(ckpt, state, 2)  # then steady again
     assert report2.tensors_sent == 0, report2
-    assert_saved(ckpt_root, 1, expected)
-    assert_saved(ckpt_root, 2, expected2)
+    assert_step_holds(ckpt_root, 1, expected)
+    assert_step_holds(ckpt_root, 2, expected2)
 
 
 def test_a_worker_killed_after_prepare_costs_nothing_but_the_preparation(ckpt_root):
@@ -72,7 +67,7 @@ def test_a_worker_killed_after_prepare_costs_nothing_but_the_preparation(ckpt_ro
         os.kill(ckpt.worker_pid, signal.SIGKILL)
         expected, report = save_and_change(ckpt, state, 1)  # a fresh worker gets everything
     assert report.tensors_sent > 0
-    assert_saved(ckpt_root, 1, expected)
+    assert_step_holds(ckpt_root, 1, expected)
 
 
 def test_prepare_without_room_in_shared_memory_says_so_and_changes_nothing(ckpt_root, monkeypatch):

@@ -21,12 +21,12 @@ import torch.distributed.checkpoint as dcp
 
 import asyncckpt
 
-from asyncckpt import AsyncCheckpointer, CheckpointConfig, CheckpointError, load
+from asyncckpt import AsyncCheckpointer, CheckpointConfig, CheckpointError
 from asyncckpt.storage.msc import MscStorage
 from asyncckpt.storage import storage_for
 from asyncckpt.testing.s3_server import BUCKET, PROFILE, write_msc_config
 from conftest import (
-    MemorySampler, assert_state_equal, clone_state, free_port, make_model_and_optimizer, make_state, step_path,
+    MemorySampler, assert_loads_on_s3, assert_state_equal, clone_state, free_port, make_model_and_optimizer, make_state, step_path,
     zeros_like_state,
 )
 
@@ -320,16 +320,9 @@ def test_checkpoints_load_with_msc_reader_stock_dcp_and_load_latest(s3):
         ckpt.schedule_save(state, step=4)  # forked writers fill the spool files; the worker uploads
         [report] = ckpt.finalize(blocking=True)
     assert report.bytes > 0
-    from multistorageclient.contrib.torch import MultiStorageFileSystemReader
-
     for scheme in ("msc", "s3"):
         path = step_path(s3.url(scheme, prefix), 4)
-        target = zeros_like_state(expected)
-        dcp.load(target, storage_reader=MultiStorageFileSystemReader(path, thread_count=2), no_dist=True)
-        assert_state_equal(target, expected)
-        target = zeros_like_state(expected)
-        load(target, path, verify=True)
-        assert_state_equal(target, expected)
+        assert_loads_on_s3(path, expected)
         target = zeros_like_state(expected)
         with AsyncCheckpointer(s3.url(scheme, prefix)) as reader:
             assert reader.load_latest(target) == 4

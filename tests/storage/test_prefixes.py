@@ -14,13 +14,13 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from asyncckpt import AsyncCheckpointer, CheckpointConfig, CheckpointError, cleanup, load, verify_checkpoint
+from asyncckpt import AsyncCheckpointer, CheckpointConfig, CheckpointError, cleanup, verify_checkpoint
 from asyncckpt.layout import WRITES_PER_PREFIX, data_folder, is_data_file, list_files, prefix_count
 from asyncckpt.loading.load import uploads_left_open
 from asyncckpt.storage import OpenUpload, storage_for
 from asyncckpt.testing.s3_faults import Fault, FaultyS3
 from asyncckpt.testing.s3_server import PROFILE, write_msc_config
-from conftest import assert_state_equal, step_path, zeros_like_state
+from conftest import assert_loads_on_s3, assert_state_equal, step_path, zeros_like_state
 from multirank import run_ranks
 
 MiB = 1 << 20
@@ -132,14 +132,7 @@ def test_two_ranks_spread_over_prefixes_on_s3(s3_server, request):
         state["head"] += 1
         state.pop("meta")
         expected[f"rank{rank}"] = state
-    from multistorageclient.contrib.torch import MultiStorageFileSystemReader
-
-    target = zeros_like_state(expected)
-    dcp.load(target, storage_reader=MultiStorageFileSystemReader(path, thread_count=2), no_dist=True)
-    assert_state_equal(target, expected)
-    target = zeros_like_state(expected)
-    load(target, path, verify=True)
-    assert_state_equal(target, expected)
+    assert_loads_on_s3(path, expected)  # stock dcp.load through msc's reader, and asyncckpt.load
     with AsyncCheckpointer(root) as reader:  # load_latest, then a save resumed from it
         target = zeros_like_state(expected)
         assert reader.load_latest(target) == 2
