@@ -235,6 +235,15 @@ def assert_state_equal(actual, expected, path: str = "") -> None:
         assert actual == expected, f"value differs at {path}: {actual!r} != {expected!r}"
 
 
+def saved_step_one(root: str, state: dict) -> str:
+    """`state` saved as ROOT/step_1 in two data files (io_workers=2); returns that directory."""
+    from asyncckpt import AsyncCheckpointer, CheckpointConfig
+
+    with AsyncCheckpointer(root, CheckpointConfig(io_workers=2)) as ckpt:
+        ckpt.schedule_save(state, step=1)
+    return step_path(root, 1)
+
+
 def assert_step_holds(root: str, step: int, expected: dict) -> None:
     """ROOT/step_N loads (asyncckpt.load) into exactly `expected`."""
     from asyncckpt import load

@@ -5,14 +5,13 @@ the same pipeline on CPU)."""
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from asyncckpt import AsyncCheckpointer, CheckpointConfig, PartialLoadError, load
-from conftest import damaged_copy
+from asyncckpt import PartialLoadError, load
+from conftest import damaged_copy, saved_step_one
 from multirank import run_ranks
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")]
@@ -36,10 +35,7 @@ def on_cuda(source: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory) -> str:
-    root = str(tmp_path_factory.mktemp("cuda_load"))
-    with AsyncCheckpointer(root, CheckpointConfig(io_workers=2)) as ckpt:
-        ckpt.schedule_save(state(), step=1)
-    return os.path.join(root, "step_00000001")
+    return saved_step_one(str(tmp_path_factory.mktemp("cuda_load")), state())
 
 
 @pytest.mark.parametrize("ring_bytes", [None, SMALL_RING], ids=["default-ring", "ring-smaller-than-an-item"])

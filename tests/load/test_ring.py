@@ -8,7 +8,6 @@ touches CUDA."""
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 
@@ -17,8 +16,8 @@ import torch
 
 import asyncckpt.loading.reader as reader
 import asyncckpt.loading.ring as ring
-from asyncckpt import AsyncCheckpointer, CheckpointConfig, PartialLoadError, load
-from conftest import damaged_copy
+from asyncckpt import PartialLoadError, load
+from conftest import damaged_copy, saved_step_one
 
 SMALL_RING = 16 << 10  # two 8 KiB slots: every tensor below is several pieces
 
@@ -49,10 +48,7 @@ def assert_equal(target: dict, source: dict) -> None:
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory) -> str:
-    root = str(tmp_path_factory.mktemp("ring"))
-    with AsyncCheckpointer(root, CheckpointConfig(io_workers=2)) as ckpt:
-        ckpt.schedule_save(state(), step=1)
-    return os.path.join(root, "step_00000001")
+    return saved_step_one(str(tmp_path_factory.mktemp("ring")), state())
 
 
 class StandInCuda:
