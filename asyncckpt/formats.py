@@ -213,14 +213,27 @@ def crc_combine(algorithm: str, crc1: int, crc2: int, length2: int) -> int:
 
 
 @dataclass(frozen=True)
+class ChecksumsPart:
+    """A rank's own checksums file, named by the sidecar (a save of several ranks: each rank writes
+    its items' checksums beside its data files, so the coordinator never gathers them). `length`
+    and `crc32c` bind the part to this save: a part another save left under the name fails them."""
+
+    file: str  # relative to the checkpoint directory
+    length: int
+    crc32c: int
+
+
+@dataclass(frozen=True)
 class Sidecar:
     """The checksums of one save: `save_id` is the one in its `.metadata` (StorageMeta), so a
     sidecar left by a save that never committed is recognised as not belonging to the checkpoint
-    (None in sidecars written before it was recorded)."""
+    (None in sidecars written before it was recorded). `items` are the sidecar's own and, once
+    read (loading.verify.read_sidecar), those of its `parts`."""
 
     algorithm: str
     save_id: Optional[str]
     items: list[ItemChecksum]
+    parts: tuple[ChecksumsPart, ...] = ()
 
     def checksum(self, data, value: int = 0) -> int:
         return CHECKSUM_FUNCTIONS[self.algorithm](data, value)
@@ -229,8 +242,8 @@ class Sidecar:
         return crc_combine(self.algorithm, crc1, crc2, length2)
 
 
-
-def encode_checksums(entries: list[ItemChecksum], save_id: str) -> bytes:
+def encode_checksums(entries: list[ItemChecksum], save_id: Optional[str], parts: Sequence[ChecksumsPart] = ()) -> bytes:
+    """A sidecar (or, with no save_id, a rank's part: it is bound to its save by the sidecar)."""
     records = [
         {
             "fqn": e.fqn,
@@ -245,6 +258,8 @@ def encode_checksums(entries: list[ItemChecksum], save_id: str) -> bytes:
     ]
     # compact: json's C encoder (indent= takes the pure-Python one, 3.5x slower at 100k items)
     doc = {"algorithm": CHECKSUM_ALGORITHM, "save_id": save_id, "items": records}
+    if parts:
+        doc["parts"] = [{"file": p.file, "length": p.length, "crc32c": p.crc32c} for p in parts]
     return json.dumps(doc, separators=(",", ":")).encode()
 
 
@@ -261,7 +276,21 @@ def decode_checksums(data: bytes) -> Sidecar:
     save_id = doc.get("save_id")
     if save_id is not None and not isinstance(save_id, str):
         raise ValueError(f"save_id is {type(save_id).__name__}, not a string")
-    return Sidecar(doc["algorithm"], save_id, [_decode_item(n, r) for n, r in enumerate(doc["items"])])
+    parts = doc.get("parts", [])
+    if not isinstance(parts, list):
+        raise ValueError("parts is not a list")
+    return Sidecar(doc["algorithm"], save_id, [_decode_item(n, r) for n, r in enumerate(doc["items"])],
+                   tuple(_decode_part(n, p) for n, p in enumerate(parts)))
+
+
+def _decode_part(n: int, record) -> ChecksumsPart:
+    try:
+        part = ChecksumsPart(record["file"], record["length"], record["crc32c"])
+    except (KeyError, TypeError) as exc:
+        raise ValueError(f"part {n}: missing field {exc}") from None
+    if not isinstance(part.file, str) or not _is_int(part.length) or not _is_int(part.crc32c):
+        raise ValueError(f"part {n}: a field has the wrong type ({record!r:.200})")
+    return part
 
 
 def _decode_item(n: int, record) -> ItemChecksum:

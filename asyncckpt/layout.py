@@ -17,7 +17,8 @@ log = logging.getLogger(__name__)
 
 METADATA_FILE = ".metadata"  # DCP's: written last, its presence is the commit
 CHECKSUMS_FILE = ".checksums.json"  # the sidecar of a save into a fresh step directory
-SIDECAR_NAME = re.compile(r"^\.checksums(\.[0-9a-f]{32})?\.json$")  # either kind of sidecar
+# either kind of sidecar, or a rank's checksums part (`p07/.checksums.r7.json`, tagged as its data files)
+SIDECAR_NAME = re.compile(r"^(p\d{2,}/)?\.checksums(\.[0-9a-f]{32}|\.r\d+(?P<tag>\.[0-9a-f]{8})?)?\.json$")
 TORCH_SAVE = "torch_save"
 SAFETENSORS = "safetensors"
 TORCH_SAVE_SUFFIX = ".distcp"
@@ -126,6 +127,17 @@ def is_safetensors_file(name: str) -> bool:
     return name.endswith(SAFETENSORS_SUFFIX)
 
 
+def checksums_part_file(rank: int, tag: str = "", folder: str = "") -> str:
+    """The name of `rank`'s checksums part (a save of several ranks), beside its data files."""
+    return in_folder(folder, f".checksums.r{rank}{tag}.json")
+
+
+def is_checksums_part(name: str, tag: Optional[str] = None) -> bool:
+    """Whether `name` is a rank's checksums part (and, when `tag` is given, one with that tag)."""
+    match = SIDECAR_NAME.match(name)
+    return match is not None and ".r" in name.rpartition("/")[2] and (tag is None or (match.group("tag") or "") == tag)
+
+
 def sidecar_file(save_id: Optional[str]) -> str:
     """The sidecar name of a save that replaces a committed checkpoint of its step: tied to the
     save, so the committed checkpoint's own sidecar stays in place until the new `.metadata` is."""
@@ -138,6 +150,7 @@ _STEP_DIR = re.compile(r"^step_(\d{8,})$")
 # write_atomic's temp files (stock DCP: .metadata.tmp) and prepare_dir's probes
 _TEMP_FILE = re.compile(
     r"^\.(\.metadata|\.checksums(\.[0-9a-f]{32})?\.json|latest)\.tmp-[A-Za-z0-9-]+$|^\.metadata\.tmp$|^\.asyncckpt-probe-[\w-]+$"
+    r"|^(p\d{2,}/)?\.\.checksums\.r\d+(\.[0-9a-f]{8})?\.json\.tmp-[A-Za-z0-9-]+$"  # of a rank's checksums part
 )
 
 

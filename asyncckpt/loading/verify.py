@@ -6,6 +6,9 @@ A save into a fresh step directory writes `.checksums.json`; a save replacing a 
 checkpoint of its step writes `.checksums.<save_id>.json`, so the committed checkpoint keeps its
 own sidecar until the new `.metadata` replaces it. `.metadata` records the save id, which names
 the sidecar to use; sidecars of other saves are ignored here and removed after the commit.
+With several ranks the sidecar holds the coordinator's items and names every other rank's part
+(`p07/.checksums.r7.json`, beside its data files) with its length and CRC32C, so a part left by
+another save under the same name is refused.
 """
 
 from __future__ import annotations
@@ -17,8 +20,8 @@ from typing import Callable, Iterator, Optional
 from torch.distributed.checkpoint.metadata import Metadata
 
 from ..errors import CheckpointError
-from ..formats import Sidecar, decode_checksums
-from ..layout import CHECKSUMS_FILE, SIDECAR_NAME, sidecar_file
+from ..formats import Sidecar, crc32c, decode_checksums
+from ..layout import CHECKSUMS_FILE, SIDECAR_NAME, is_checksums_part, sidecar_file
 from .safety import check_relative_path
 from ..storage import Storage
 
@@ -54,32 +57,59 @@ def find_sidecar(storage: Storage, path: str, metadata: Metadata) -> Optional[st
 
 
 def stale_sidecars(storage: Storage, path: str, names: list[str], metadata: Metadata) -> list[str]:
-    """Sidecars among `names` (the listing of checkpoint `path`) that belong to other saves than
-    the one `metadata` records (a damaged one it cannot judge is left alone)."""
+    """Sidecars and checksums parts among `names` (the listing of checkpoint `path`) that belong
+    to other saves than the one `metadata` records (while its own sidecar cannot be read, no part
+    is judged stale)."""
     own = find_sidecar(storage, path, metadata)
-    stale = [n for n in names if SIDECAR_NAME.match(n) and storage.join(path, n) != own]
-    if own is not None and own.endswith(CHECKSUMS_FILE):
-        try:
-            if not sidecar_belongs_to(decode_checksums(storage.read_bytes(own)), metadata):
-                stale.append(CHECKSUMS_FILE)
-        except (OSError, ValueError):
-            pass
-    return stale
+    stale = [n for n in names if SIDECAR_NAME.match(n) and not is_checksums_part(n) and storage.join(path, n) != own]
+    parts = [n for n in names if is_checksums_part(n)]
+    if own is None:
+        return stale + parts
+    try:
+        sidecar = decode_checksums(storage.read_bytes(own))
+    except (OSError, ValueError):
+        return stale
+    if own.endswith(CHECKSUMS_FILE) and not sidecar_belongs_to(sidecar, metadata):
+        return stale + [CHECKSUMS_FILE] + parts
+    used = {p.file for p in sidecar.parts}
+    return stale + [n for n in parts if n not in used]
 
 
 def read_sidecar(storage: Storage, path: str, file: str) -> Sidecar:
-    """The sidecar `file` of checkpoint `path`, parsed; CheckpointError naming the file if it is
-    damaged or unreadable, or names a file outside the checkpoint."""
+    """The sidecar `file` of checkpoint `path`, parsed, with the items of its parts; CheckpointError
+    naming the file if it or a part is damaged, unreadable or another save's, or names a file
+    outside the checkpoint."""
     try:
         sidecar = decode_checksums(storage.read_bytes(file))
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{file}: damaged or unreadable checksums sidecar: {exc}") from None
-    for relative_path in {e.relative_path for e in sidecar.items}:
+    items = list(sidecar.items)
+    for part in sidecar.parts:
+        items += _read_part(storage, path, file, part, sidecar.algorithm)
+    for relative_path in {e.relative_path for e in items}:
         try:
             check_relative_path(storage, path, relative_path)
         except CheckpointError as exc:
             raise CheckpointError(f"{file}: {exc}") from None
-    return sidecar
+    return Sidecar(sidecar.algorithm, sidecar.save_id, items, sidecar.parts)
+
+
+def _read_part(storage: Storage, path: str, file: str, part, algorithm: str) -> list:
+    check_relative_path(storage, path, part.file)
+    name = storage.join(path, part.file)
+    try:
+        data = storage.read_bytes(name)
+    except OSError as exc:
+        raise CheckpointError(f"{name}: checksums part named by {file} is unreadable: {exc}") from None
+    if len(data) != part.length or crc32c(data) != part.crc32c:
+        raise CheckpointError(f"{name}: checksums part is not the one {file} names (damaged, or another save's)")
+    try:
+        decoded = decode_checksums(data)
+    except ValueError as exc:
+        raise CheckpointError(f"{name}: damaged checksums part: {exc}") from None
+    if decoded.algorithm != algorithm or decoded.parts:
+        raise CheckpointError(f"{name}: checksums part does not match {file}")
+    return decoded.items
 
 
 @dataclass(frozen=True)

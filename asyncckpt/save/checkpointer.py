@@ -24,7 +24,7 @@ from ..report import SaveReport, publish
 from ..storage import is_remote, storage_for
 from ..storage.requests import COUNTER
 from . import at_exit
-from .commit import RankOutcome, SaveTarget, finish_save
+from .commit import CommitMemory, RankOutcome, SaveTarget, finish_save
 from .first_save import hand_off_if_starting
 from .guard import GuardHandles, guard_calls
 from .incremental import Continuation
@@ -80,6 +80,7 @@ class AsyncCheckpointer:
         self._warnings = SaveWarnings()
         self.resume_report: Optional[ResumeReport] = None  # what load_latest resumed from, what it skipped
         self._janitor = Janitor()  # retention, after each commit's verdict
+        self._commit_memory = CommitMemory()  # what a steady save's commit reuses
         self._incremental = Continuation(config.incremental, self.rank)
         self._folders = FolderLocks()  # the root and the folders of explicit directories, held by the coordinator
         if self.root is not None:
@@ -371,7 +372,8 @@ class AsyncCheckpointer:
         )
         storage = storage_for(flight.step_dir)
         verdict = finish_save(
-            self._group, storage, target, flight.outcome, self.config.fsync, self.config.keep_last, self._janitor
+            self._group, storage, target, flight.outcome, self.config.fsync, self.config.keep_last, self._janitor,
+            self._commit_memory,
         )
         self._in_flight = None
         if not verdict.committed:

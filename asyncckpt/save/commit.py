@@ -1,31 +1,35 @@
 """The commit: turn finished writes into a checkpoint that exists.
 
-Order matters and is the whole guarantee: data files are fsynced by the writers; here the
-checksums sidecar is published, the directory synced, then `.metadata` is published atomically
-(that is the commit), the root synced, then `latest` moves. What the commit made obsolete (files
-of a replaced save, checkpoints beyond keep_last), and with several ranks what a failed save
-wrote, is removed afterwards, off the collective path (retention.py). The verdict says what is on disk: once `.metadata` is in place the save is
+Order matters and is the whole guarantee: data files are fsynced by the writers, and with several
+ranks each rank publishes the checksums of its items beside them (its part: the coordinator
+gathers no checksums); here the checksums sidecar is published, the directory synced, then
+`.metadata` is published atomically (that is the commit), the root synced, then `latest` moves.
+What the commit made obsolete (files of a replaced save, checkpoints beyond keep_last), and with
+several ranks what a failed save wrote, is removed afterwards, off the collective path
+(retention.py). The verdict says what is on disk: once `.metadata` is in place the save is
 committed, even if making it durable then failed (logged as an ERROR).
+
+`.metadata` is assembled from bytes (metadata_bytes.py): the plan's head, pickled once, and each
+rank's entries, encoded by that rank and sent only when they changed since its last committed
+save, so a steady save's coordinator concatenates what it kept (docs/benchmark.md, "Scale").
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
-import pickle
 import time
 import uuid
-from dataclasses import dataclass
+import zlib
+from dataclasses import dataclass, field
 from typing import Optional
 
-from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata
 
-from ..formats import ItemChecksum, encode_checksums
-from ..layout import sidecar_file
-from ..layout import LATEST_FILE, METADATA_FILE
-from ..protocol import ItemWritten, WriteDone
+from ..formats import ChecksumsPart, ItemChecksum, crc32c, encode_checksums
+from ..layout import LATEST_FILE, METADATA_FILE, checksums_part_file, sidecar_file
+from ..protocol import WriteDone
+from .metadata_bytes import MetadataHead, assemble, encode_entries, encode_head
 from .ranks import RankGroup
 from .retention import Janitor, Tidy, discard_uncommitted
 from ..storage import Storage
@@ -78,58 +82,154 @@ class Decision:
     tidy: Optional[Tidy] = None
 
 
+@dataclass(frozen=True)
+class RankShare:
+    """What a rank sends the coordinator at the commit. On a steady save (its entries as in its
+    last committed save) a few numbers: no item, no checksum (docs/benchmark.md, "Scale")."""
+
+    rank: int
+    error: Optional[str] = None
+    entries: Optional[bytes] = None  # its `.metadata` entries (metadata_bytes); None: as in its last committed save
+    entries_crc: int = 0  # of its entries, sent or not: the coordinator checks what it kept
+    checksums: Optional[ChecksumsPart] = None  # its checksums part (several ranks)
+    bytes_written: int = 0
+    bytes_linked: int = 0
+
+
+@dataclass
+class CommitMemory:
+    """What the next commit reuses, kept from committed saves: on every rank its own encoded
+    entries; on the coordinator the encoded head of the plan and every rank's entries."""
+
+    head: Optional[MetadataHead] = None
+    own_entries: Optional[bytes] = None
+    entries: dict[int, tuple[int, bytes]] = field(default_factory=dict)  # rank -> (crc, entries)
+
+
 def finish_save(
     group: RankGroup, storage: Storage, target: SaveTarget, outcome: RankOutcome, fsync: bool,
-    keep_last: Optional[int], janitor: Janitor,
+    keep_last: Optional[int], janitor: Janitor, memory: CommitMemory,
 ) -> Verdict:
-    """Collective: gather every rank's outcome; the coordinator commits if all succeeded; every
+    """Collective: gather every rank's share; the coordinator commits if all succeeded; every
     rank gets the same verdict. What to remove (a failed save's files, replaced files, retention)
     is handed to `janitor` after the broadcast (see `_failed` for a single rank's failed save)."""
-    # the coordinator's own outcome stays here: gather_object pads every rank's message to the
+    own_part = group.size > 1 and not group.is_coordinator
+    share, entries = rank_share(storage, target, outcome, fsync, memory, own_part)
+    # the coordinator's own share stays here: gather_object pads every rank's message to the
     # largest, so sending it would make every rank send as much as the coordinator writes (DDP:
     # all of it; docs/benchmark.md, "Scale")
-    outcomes = group.gather(RankOutcome(outcome.rank) if group.is_coordinator else outcome)
-    if outcomes is not None:
-        outcomes[0] = outcome
+    shares = group.gather(RankShare(share.rank) if group.is_coordinator else share)
     decision = None
     if group.is_coordinator:
-        decision = _decide(storage, target, outcomes, fsync, keep_last)
+        shares[0] = share
+        decision = _decide(storage, target, outcome, shares, fsync, keep_last, memory)
     verdict = group.broadcast(decision.verdict if decision is not None else None)
+    if verdict.committed and entries is not None:
+        memory.own_entries = entries
     janitor.finished(decision.tidy if decision is not None else None)
     return verdict
 
 
-def _naming_rank(outcome: RankOutcome) -> str:
+def rank_share(storage: Storage, target: SaveTarget, outcome: RankOutcome, fsync: bool, memory: CommitMemory,
+           own_part: bool) -> tuple[RankShare, Optional[bytes]]:
+    """This rank's share, and its encoded entries: sent unless unchanged since its last committed
+    save. With `own_part` (a rank other than the coordinator) its checksums are published here."""
+    if outcome.error is not None:
+        return RankShare(outcome.rank, error=outcome.error), None
+    if target.memory_only:
+        return RankShare(outcome.rank), None
+    written = outcome.written
+    entries = encode_entries(written.items)
+    try:
+        part = _publish_part(storage, target, outcome.rank, written.items, fsync) if own_part else None
+        if fsync:
+            _sync_data_folder(storage, target, written.items)
+    except OSError as exc:
+        error = f"could not publish its checksums in {target.step_dir}: {exc!r}"
+        return RankShare(outcome.rank, error=error), None
+    sent = None if entries == memory.own_entries else entries
+    share = RankShare(outcome.rank, None, sent, zlib.crc32(entries), part, written.bytes_written, written.bytes_linked)
+    return share, entries
+
+
+def _publish_part(storage: Storage, target: SaveTarget, rank: int, items, fsync: bool) -> Optional[ChecksumsPart]:
+    checksums = _checksums(items)
+    if not checksums:
+        return None
+    folder = items[0].relative_path.rpartition("/")[0]  # a rank's files share one folder
+    name = checksums_part_file(rank, target.file_tag, folder)
+    data = encode_checksums(checksums, None)
+    storage.write_atomic(storage.join(target.step_dir, name), data, fsync=fsync)
+    return ChecksumsPart(name, len(data), crc32c(data))
+
+
+def _sync_data_folder(storage: Storage, target: SaveTarget, items) -> None:
+    """This rank's data folder (prefix spreading): every file's entry in it is durable before the
+    commit. Files right in the step directory are covered by the coordinator's sync of it."""
+    folder = items[0].relative_path.rpartition("/")[0] if items else ""
+    if folder:
+        storage.sync_dir(storage.join(target.step_dir, folder))
+
+
+def _checksums(items) -> list[ItemChecksum]:
+    return [
+        ItemChecksum(w.index.fqn, w.index.offset, w.relative_path, w.offset, w.length, w.crc32, w.digest)
+        for w in items
+        if w.crc32 is not None
+    ]
+
+
+def _naming_rank(share: RankShare) -> str:
     """A rank's error, prefixed with its rank unless it says it already (a worker's death does)."""
-    prefix = f"rank {outcome.rank}: "
-    return outcome.error if outcome.error.startswith(prefix) else prefix + outcome.error
+    prefix = f"rank {share.rank}: "
+    return share.error if share.error.startswith(prefix) else prefix + share.error
 
 
-def _decide(storage: Storage, target: SaveTarget, outcomes: list[RankOutcome], fsync: bool, keep_last) -> Decision:
-    failures = [o for o in outcomes if o.error is not None]
+def _decide(storage: Storage, target: SaveTarget, own: RankOutcome, shares: list[RankShare], fsync: bool,
+            keep_last, memory: CommitMemory) -> Decision:
+    failures = [s for s in shares if s.error is not None]
     what = f"step {target.step}" if target.name is not None else target.step_dir
     root = target.root if target.name is not None else None
     if failures:
-        return _failed(storage, target, "; ".join(_naming_rank(o) for o in failures), len(outcomes) > 1)
+        return _failed(storage, target, "; ".join(_naming_rank(s) for s in failures), len(shares) > 1)
     if target.memory_only:  # every rank holds it in memory; nothing on disk changes
         return Decision(Verdict(True))
     started = time.perf_counter()
-    written = [item for o in outcomes for item in o.written.items]
     try:
-        save_id = commit_checkpoint(storage, target, written, fsync)
+        entries = _entries_of(shares, memory)
+        if memory.head is None or memory.head.plan is not target.metadata:
+            memory.head = encode_head(target.metadata, DCP_VERSION)
+        parts = [s.checksums for s in shares if s.checksums is not None]
+        save_id = commit_checkpoint(storage, target, memory.head, [e for _, e in entries],
+                                    _checksums(own.written.items), parts, fsync)
     except Exception as exc:  # any failure here must reach every rank through the verdict
-        return _failed(storage, target, f"{what}: commit failed in {target.step_dir}: {exc!r}", len(outcomes) > 1)
+        return _failed(storage, target, f"{what}: commit failed in {target.step_dir}: {exc!r}", len(shares) > 1)
+    memory.entries = dict(enumerate(entries))
     if target.name is not None:
         try:
             move_latest(storage, target.root, target.name, fsync)
         except Exception as exc:
             log.error("%s is committed but `latest` could not be moved to it (it still names an older one): %r",
                       target.step_dir, exc)
-    total = sum(o.written.bytes_written for o in outcomes)
-    written_now = total - sum(o.written.bytes_linked for o in outcomes)
+    total = sum(s.bytes_written for s in shares)
+    written_now = total - sum(s.bytes_linked for s in shares)
     retention = keep_last if target.name is not None else None
     tidy = Tidy(root, target.step_dir, target.replaces, retention)
     return Decision(Verdict(True, None, total, time.perf_counter() - started, written_now, save_id), tidy)
+
+
+def _entries_of(shares: list[RankShare], memory: CommitMemory) -> list[tuple[int, bytes]]:
+    """Every rank's (crc, entries): sent, or kept from its last committed save."""
+    entries = []
+    for share in shares:
+        if share.entries is not None:
+            entries.append((share.entries_crc, share.entries))
+            continue
+        kept = memory.entries.get(share.rank)
+        if kept is None or kept[0] != share.entries_crc:  # the ranks' memories disagree: a bug, never a bad file
+            raise RuntimeError(f"rank {share.rank} sent no .metadata entries and the coordinator keeps none that match")
+        entries.append(kept)
+    return entries
 
 
 def _failed(storage: Storage, target: SaveTarget, error: str, ranks_wait: bool) -> Decision:
@@ -144,49 +244,31 @@ def _failed(storage: Storage, target: SaveTarget, error: str, ranks_wait: bool) 
     return Decision(Verdict(False, error), tidy)
 
 
-def commit_checkpoint(storage: Storage, target: SaveTarget, written: list[ItemWritten], fsync: bool) -> str:
-    """Write the sidecar and `.metadata` for a save whose data files are all durable. Returns its
-    save id once `.metadata` is in place (the save is committed); raises only when it is not.
+def commit_checkpoint(
+    storage: Storage, target: SaveTarget, head: MetadataHead, entries: list[bytes], checksums: list[ItemChecksum],
+    parts: list[ChecksumsPart], fsync: bool,
+) -> str:
+    """Write the sidecar and `.metadata` for a save whose data files (and checksums parts) are all
+    durable. Returns its save id once `.metadata` is in place (the save is committed); raises
+    only when it is not.
 
     A save replacing a committed checkpoint writes its sidecar under its own name
     (`.checksums.<save_id>.json`), so the committed checkpoint keeps a matching sidecar until
     the new `.metadata` replaces the old one."""
     step_dir = target.step_dir
-    storage_data = {w.index.to_dcp(): _StorageInfo(w.relative_path, w.offset, w.length) for w in written}
     save_id = target.save_id or uuid.uuid4().hex
-    final = dataclasses.replace(
-        target.metadata,
-        storage_data=storage_data,
-        storage_meta=StorageMeta(checkpoint_id=step_dir, save_id=save_id),
-        version=DCP_VERSION,
-    )
-    checksums = [
-        ItemChecksum(
-            w.index.fqn,
-            w.index.offset,
-            w.relative_path,
-            w.offset,
-            w.length,
-            w.crc32,
-            w.digest,
-        )
-        for w in written
-        if w.crc32 is not None
-    ]
     sidecar = storage.join(step_dir, sidecar_file(save_id if target.file_tag else None))
-    if checksums:
-        storage.write_atomic(sidecar, encode_checksums(checksums, save_id), fsync=fsync)
+    if checksums or parts:
+        storage.write_atomic(sidecar, encode_checksums(checksums, save_id, parts), fsync=fsync)
     elif not target.file_tag:  # nothing is committed here: a leftover sidecar would describe other files
         storage.remove_file(sidecar)
-    metadata_path, payload = storage.join(step_dir, METADATA_FILE), pickle.dumps(final)
+    metadata_path, pieces = storage.join(step_dir, METADATA_FILE), assemble(head, step_dir, save_id, entries)
     try:
         if fsync:
-            for folder in sorted({w.relative_path.rpartition("/")[0] for w in written} - {""}):  # data folders
-                storage.sync_dir(storage.join(step_dir, folder))
-            storage.sync_dir(step_dir)  # every data file's entry is durable before the commit
-        storage.write_atomic(metadata_path, payload, fsync=fsync)
+            storage.sync_dir(step_dir)  # every data file's entry is durable before the commit (ranks sync their folders)
+        storage.write_atomic(metadata_path, pieces, fsync=fsync)
     except Exception as exc:
-        if not _holds(storage, metadata_path, payload):
+        if not _holds(storage, metadata_path, b"".join(pieces)):
             if target.file_tag:  # our sidecar beside the checkpoint that stays committed
                 _remove_quietly(storage, sidecar)
             raise

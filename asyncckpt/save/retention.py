@@ -18,9 +18,8 @@ from dataclasses import dataclass
 from typing import Iterator, Optional
 
 from ..errors import CheckpointError, CheckpointTimeoutError
-from ..layout import SIDECAR_NAME, is_data_file, list_files, remove_empty_data_folders
+from ..layout import SIDECAR_NAME, is_checksums_part, is_data_file, list_files, remove_empty_data_folders
 from ..loading.load import unreferenced_files, uploads_left_open
-from ..loading.safe_reader import read_metadata
 from ..layout import METADATA_FILE, list_checkpoints, read_latest_marker
 from ..storage import Storage, storage_for
 
@@ -198,10 +197,9 @@ def discard_uncommitted(storage: Storage, step_dir: str, file_tag: str = "", own
                     storage.remove_file(storage.join(step_dir, name))
             remove_empty_data_folders(storage, step_dir)
             storage.remove_empty_dir(step_dir)
-        elif file_tag:  # the committed checkpoint stays; so do files its .metadata names (ours, if
-            used = _referenced_files(step_dir)  # the commit failed after publishing it)
-            for name in list_files(storage, step_dir):
-                if is_data_file(name, tag=file_tag) and name not in used:
+        elif file_tag:  # the committed checkpoint stays; so do the files it uses (ours, if the
+            for name in unreferenced_files(step_dir, list_files(storage, step_dir)):  # commit failed after publishing it)
+                if is_data_file(name, tag=file_tag) or is_checksums_part(name, tag=file_tag):
                     storage.remove_file(storage.join(step_dir, name))
             remove_empty_data_folders(storage, step_dir)
     except (OSError, CheckpointError) as exc:
@@ -222,10 +220,6 @@ def raise_start_failure(
     if group.size == 1 and problem is not None:
         raise problem
     raise CheckpointError(f"{label} not started: {causes}")
-
-
-def _referenced_files(step_dir: str) -> set[str]:
-    return {info.relative_path for info in (read_metadata(step_dir).storage_data or {}).values()}
 
 
 def remove_replaced_files(storage: Storage, step_dir: str) -> None:

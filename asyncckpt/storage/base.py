@@ -12,7 +12,7 @@ import socket
 import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 
 class WriteHandle(ABC):
@@ -75,8 +75,9 @@ class Storage(ABC):
         for anything the backend shares between files (upload memory)."""
 
     @abstractmethod
-    def write_atomic(self, path: str, data: bytes, fsync: bool = True) -> None:
-        """Publish a small file whole or not at all: readers see the old state or the new bytes."""
+    def write_atomic(self, path: str, data: bytes | Sequence[bytes], fsync: bool = True) -> None:
+        """Publish a file whole or not at all: readers see the old state or the new bytes (`data`,
+        or its pieces in order: a large `.metadata` is written without joining them first)."""
 
     @abstractmethod
     def read_bytes(self, path: str, offset: int = 0, length: Optional[int] = None) -> bytes:

@@ -7,7 +7,7 @@ import errno
 import os
 import shutil
 import stat
-from typing import Optional
+from typing import Optional, Sequence
 
 from ..errors import CheckpointError
 from .base import Storage, WriteHandle, unique_suffix
@@ -108,12 +108,12 @@ class LocalStorage(Storage):
             os.unlink(path)
             os.link(source, path, follow_symlinks=False)
 
-    def write_atomic(self, path: str, data: bytes, fsync: bool = True) -> None:
+    def write_atomic(self, path: str, data: bytes | Sequence[bytes], fsync: bool = True) -> None:
         directory = os.path.dirname(path) or "."
         tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp-{unique_suffix()}")
         try:
             with open(tmp, "xb") as f:
-                f.write(data)
+                f.writelines([data] if isinstance(data, (bytes, bytearray, memoryview)) else data)
                 f.flush()
                 if fsync:
                     os.fsync(f.fileno())

@@ -14,7 +14,7 @@ import math
 import os
 import tempfile
 import time
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from ..errors import CheckpointError
 from .base import OpenUpload, Storage, Versioned, WriteHandle, unique_suffix
@@ -130,8 +130,9 @@ class MscStorage(Storage):
             return 1
         return 2 + -(-nbytes // _part_size(client))
 
-    def write_atomic(self, path: str, data: bytes, fsync: bool = True) -> None:
-        self._call("write", path, lambda client, key: client.write(key, bytes(data)))
+    def write_atomic(self, path: str, data: bytes | Sequence[bytes], fsync: bool = True) -> None:
+        whole = bytes(data) if isinstance(data, (bytes, bytearray, memoryview)) else b"".join(data)
+        self._call("write", path, lambda client, key: client.write(key, whole))
 
     def read_bytes(self, path: str, offset: int = 0, length: Optional[int] = None) -> bytes:
         from multistorageclient.types import Range

@@ -2,13 +2,16 @@
 
 asyncckpt: `Planning` (local plan, the agreement, `build` on the first save: gather, DCP's
 global plan, scatter; `reuse` on a steady one) and `finish_save` (gather of every rank's
-RankOutcome, `.checksums.json`, `.metadata`, `latest`, the verdict broadcast), as the
-checkpointer calls them. DCP: `DefaultSavePlanner.create_global_plan` (plan caching on, so its
-steady save is DCP's best: every rank sends an empty plan) and `FileSystemWriter.finish`, with
-`_DistWrapper`'s collectives (gather, scatter, and the metadata broadcast to every rank).
+RankShare, `.checksums.json`, `.metadata`, `latest`, the verdict broadcast), as the
+checkpointer calls them. The other ranks' shares come from the rank's own code
+(`commit.rank_share`: its encoded entries and its checksums part, written for real), so a first
+commit receives every rank's entries and a steady one (same layout) none. DCP:
+`DefaultSavePlanner.create_global_plan` (plan caching on, so its steady save is DCP's best: every
+rank sends an empty plan) and `FileSystemWriter.finish`, with `_DistWrapper`'s collectives
+(gather, scatter, and the metadata broadcast to every rank).
 
-A first save costs its planning plus the commit, a steady save the cached planning plus the
-same commit; the commit is measured once (it does the same work in both).
+A first save costs its planning plus its commit, a steady save the cached planning plus a steady
+commit. DCP's commit does the same work in both and is measured once.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 
 from asyncckpt.layout import METADATA_FILE, step_dir_name
-from asyncckpt.save.commit import SaveTarget, finish_save
+from asyncckpt.save.commit import CommitMemory, RankOutcome, SaveTarget, finish_save, rank_share
 from asyncckpt.save.planning import Planning
 from asyncckpt.save.retention import Janitor
 from asyncckpt.storage import storage_for
@@ -92,10 +95,10 @@ class _Plans:
             self.others = [pickle.dumps(shape.local_plan(ranks, r)) for r in range(1, ranks)]
 
 
-def _rank_results(make: Callable, final_plans: list[SavePlan]) -> tuple[object, list, list[bytes]]:
-    """Rank 0's write results (kept), every rank's files, the other ranks' results as the bytes
-    they send (their objects are dropped: the coordinator never holds them, and a heap full of
-    them would slow its garbage collector)."""
+def _rank_results(make: Callable, final_plans: list[SavePlan], pickled: bool) -> tuple[object, list, list]:
+    """Rank 0's write results (kept), every rank's files, the other ranks' results (`pickled`: as
+    the bytes they send; a heap full of their objects would slow the coordinator's garbage
+    collector, so DCP's are held so)."""
     own, files, others = None, [], []
     for rank, plan in enumerate(final_plans):
         result, rank_files = make(rank, plan)
@@ -103,7 +106,7 @@ def _rank_results(make: Callable, final_plans: list[SavePlan]) -> tuple[object, 
         if rank == 0:
             own = result
         else:
-            others.append(pickle.dumps(result))
+            others.append(pickle.dumps(result) if pickled else result)
     return own, files, others
 
 
@@ -140,32 +143,63 @@ def _measure_ours(shape: JobShape, ranks: int, plans: _Plans, root: str, trace: 
     planned, first_plan = _run(plan, group, trace)
     final_plans, group.replies = group.replies, None
     results = Results()
-    own, files, others = _rank_results(results.ours, final_plans)
+    own, files, others = _rank_results(results.ours, final_plans, pickled=False)
     del final_plans
-    results_bytes = sum(map(len, others))  # what the coordinator receives of them (its own stays)
     planned, steady_plan = _run(plan, group, trace)
     assert planned.reused_plan, "the second save must reuse the plan"
 
-    janitor = Janitor()
-    step_dir = storage.join(root, step_dir_name(2))
-    storage.prepare_dir(step_dir)
-    target = SaveTarget(root, 2, step_dir_name(2), step_dir, planned.metadata)
-
-    def commit() -> object:
-        group.agree_finished(False, True, 2, 60.0)
-        group.inbox = others
-        return finish_save(group, storage, target, own, True, None, janitor)
-
-    verdict, commit_phase = _run(commit, group, trace)
+    janitor, memory = Janitor(), CommitMemory()
+    first_inbox, steady_inbox = _other_ranks_shares(storage, root, (2, 3), planned.metadata, others)
+    del others  # the coordinator never holds them (and a heap full of them slows its collector)
+    first_commit = _commit(storage, root, 2, planned.metadata, own, first_inbox, group, janitor, memory, trace)
+    steady_commit = _commit(storage, root, 3, planned.metadata, own, steady_inbox, group, janitor, memory, trace)
     janitor.close(60.0)
-    if not verdict.committed:
-        raise RuntimeError(f"{shape.name} x {ranks}: the simulated commit failed: {verdict.error}")
+    step_dir = storage.join(root, step_dir_name(3))
     data_files = [size for f in files for size in f.sizes]
     step_files = os.listdir(step_dir)
-    sidecar_bytes = sum(os.path.getsize(os.path.join(step_dir, n)) for n in step_files if n.startswith(".checksums"))
-    return _row(shape, ranks, "asyncckpt", step_dir, first_plan, steady_plan, commit_phase, results_bytes,
-                files=len(data_files) + len(step_files),  # the data files (not written here) + sidecar, .metadata
-                requests=requests_for(data_files + [sidecar_bytes, _metadata_size(step_dir), 16]) + 1)  # + HEAD .metadata
+    sidecars = [os.path.getsize(os.path.join(step_dir, n)) for n in step_files if n.startswith(".checksums")]
+    first_plan.traffic.add(first_commit.traffic)
+    steady_plan.traffic.add(steady_commit.traffic)
+    return _row(shape, ranks, "asyncckpt", step_dir, first_plan, steady_plan, first_commit, steady_commit,
+                sum(map(len, first_inbox)), sum(map(len, steady_inbox)),
+                files=len(data_files) + len(step_files),  # the data files (not written here) + sidecar, parts, .metadata
+                requests=requests_for(data_files + sidecars + [_metadata_size(step_dir), 16]) + 1)  # + HEAD .metadata
+
+
+def _other_ranks_shares(storage, root: str, steps: tuple[int, int], metadata, outcomes: list[RankOutcome]):
+    """What the other ranks send at the commit of a first save and of a steady one (the same
+    layout), as bytes, built by each rank's own code (`rank_share`: its encoded entries, and its
+    checksums part, written for real into the step directory)."""
+    inboxes = []
+    memories = [CommitMemory() for _ in outcomes]
+    for step in steps:
+        step_dir = storage.join(root, step_dir_name(step))
+        storage.prepare_dir(step_dir)
+        target = SaveTarget(root, step, step_dir_name(step), step_dir, metadata)
+        inbox = []
+        for outcome, rank_memory in zip(outcomes, memories):
+            share, entries = rank_share(storage, target, outcome, True, rank_memory, own_part=True)
+            rank_memory.own_entries = entries  # as finish_save does once the verdict says committed
+            inbox.append(pickle.dumps(share))
+        inboxes.append(inbox)
+    return inboxes
+
+
+def _commit(storage, root: str, step: int, metadata, own: RankOutcome, inbox: list[bytes], group: SimulatedGroup,
+            janitor: Janitor, memory: CommitMemory, trace: bool) -> Phase:
+    """The coordinator's commit of step `step`, the other ranks' shares in `inbox`."""
+    step_dir = storage.join(root, step_dir_name(step))
+    target = SaveTarget(root, step, step_dir_name(step), step_dir, metadata)
+
+    def work() -> object:
+        group.agree_finished(False, True, step, 60.0)
+        group.inbox = inbox
+        return finish_save(group, storage, target, own, True, None, janitor, memory)
+
+    verdict, phase = _run(work, group, trace)
+    if not verdict.committed:
+        raise RuntimeError(f"the simulated commit of step {step} failed: {verdict.error}")
+    return phase
 
 
 def _measure_dcp(shape: JobShape, ranks: int, plans: _Plans, root: str, trace: bool) -> ScaleRow:
@@ -190,7 +224,7 @@ def _measure_dcp(shape: JobShape, ranks: int, plans: _Plans, root: str, trace: b
     _, first_plan = _run(plan(plans.first), group, trace)
     final_plans = planner.global_plan
     results = Results()
-    own, files, others = _rank_results(results.dcp, final_plans)
+    own, files, others = _rank_results(results.dcp, final_plans, pickled=True)
     results_bytes = sum(map(len, others))  # what the coordinator receives of them (its own stays)
     unchanged = SavePlan([], usable=False)  # what a rank whose local plan is cached sends
     group.inbox = [pickle.dumps(unchanged)] * (ranks - 1)
@@ -209,29 +243,33 @@ def _measure_dcp(shape: JobShape, ranks: int, plans: _Plans, root: str, trace: b
 
     _, commit_phase = _run(commit, group, trace)
     data_files = [size for f in files for size in f.sizes]
-    return _row(shape, ranks, "dcp", step_dir, first_plan, steady_plan, commit_phase, results_bytes,
-                files=len(data_files) + 1, requests=requests_for(data_files + [_metadata_size(step_dir)]))
+    for plan_phase in (first_plan, steady_plan):
+        plan_phase.traffic.add(commit_phase.traffic)
+    return _row(shape, ranks, "dcp", step_dir, first_plan, steady_plan, commit_phase, commit_phase, results_bytes,
+                results_bytes, files=len(data_files) + 1, requests=requests_for(data_files + [_metadata_size(step_dir)]))
 
 
 def _row(shape: JobShape, ranks: int, method: str, step_dir: str, first_plan: Phase, steady_plan: Phase,
-         commit: Phase, results_bytes: int, files: int, requests: int) -> ScaleRow:
+         first_commit: Phase, steady_commit: Phase, first_results: int, steady_results: int, files: int,
+         requests: int) -> ScaleRow:
+    """A row from the phases; each plan phase's traffic already includes its commit's."""
     read_s, write_s, chunks = _metadata_times(step_dir)
-    first, steady = Traffic(), Traffic()
-    for total, part in ((first, first_plan.traffic), (first, commit.traffic), (steady, steady_plan.traffic),
-                        (steady, commit.traffic)):
-        total.add(part)
-    peaks = [p.peak_bytes for p in (first_plan, commit) if p.peak_bytes is not None]
+    first, steady = first_plan.traffic, steady_plan.traffic
+    peaks = [p.peak_bytes for p in (first_plan, first_commit) if p.peak_bytes is not None]
     return ScaleRow(
         shape=shape.name, ranks=ranks, method=method, chunks=chunks,
-        first_s=first_plan.seconds + commit.seconds, steady_s=steady_plan.seconds + commit.seconds,
+        first_s=first_plan.seconds + first_commit.seconds, steady_s=steady_plan.seconds + steady_commit.seconds,
         first_rank_sent=first.rank_sent, steady_rank_sent=steady.rank_sent, steady_rank_received=steady.rank_received,
         first_coordinator_received=first.coordinator_received,
         steady_coordinator_received=steady.coordinator_received,
-        steady_beyond_results=steady.coordinator_received - results_bytes,
+        steady_beyond_results=steady.coordinator_received - steady_results,
         metadata_bytes=_metadata_size(step_dir), metadata_write_s=write_s, metadata_read_s=read_s,
         files=files, requests=requests, peak_mib=max(peaks) / MiB if peaks else None,
-        phases={"first_plan_s": first_plan.seconds, "steady_plan_s": steady_plan.seconds, "commit_s": commit.seconds,
-                "first_plan_wall_s": first_plan.wall_s, "commit_wall_s": commit.wall_s, "results_bytes": results_bytes},
+        phases={"first_plan_s": first_plan.seconds, "steady_plan_s": steady_plan.seconds,
+                "first_commit_s": first_commit.seconds, "steady_commit_s": steady_commit.seconds,
+                "first_plan_wall_s": first_plan.wall_s, "first_commit_wall_s": first_commit.wall_s,
+                "steady_commit_wall_s": steady_commit.wall_s, "first_results_bytes": first_results,
+                "steady_results_bytes": steady_results},
     )
 
 

@@ -122,6 +122,24 @@ def test_ranks_save_one_checkpoint_that_stock_dcp_loads_resharded(world, tmp_pat
     # steady state: the schedule agreement, the finalize agreement, one gather + one broadcast
     assert result["reports"][-1]["collectives"] <= 4, result["reports"][-1]
 
+    # every rank but the coordinator publishes its own checksums part, which the sidecar binds by
+    # length and CRC32C; verify checks rank 1's items through it
+    step2 = os.path.join(root, "step_00000002")
+    with open(os.path.join(step2, ".checksums.json")) as f:
+        assert [p["file"] for p in json.load(f)["parts"]] == [f".checksums.r{r}.json" for r in range(1, world)]
+    assert asyncckpt.verify_checkpoint(step2) == []
+    with open(os.path.join(step2, "__1_0.distcp"), "r+b") as f:  # a flipped byte in rank 1's data
+        f.seek(-2, os.SEEK_END)
+        last = f.read(1)
+        f.seek(-2, os.SEEK_END)
+        f.write(bytes([last[0] ^ 0xFF]))
+    assert any("__1_0.distcp" in problem and "checksum mismatch" in problem
+               for problem in asyncckpt.verify_checkpoint(step2))
+    with open(os.path.join(step2, ".checksums.r1.json"), "ab") as f:  # a part that is not the one named
+        f.write(b" ")
+    with pytest.raises(CheckpointError, match=r"\.checksums\.r1\.json: checksums part is not the one"):
+        asyncckpt.verify_checkpoint(step2)
+
 
 def _failure_on_rank1(rank: int, world: int, root: str) -> None:
     mesh = init_device_mesh("cpu", (world,))

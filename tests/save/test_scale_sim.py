@@ -22,9 +22,10 @@ from scalesim.measure import measure  # noqa: E402
 from scalesim.shapes import TINY, FabricatedPlanner, JobShape  # noqa: E402
 from scalesim.wire import SimulatedGroup  # noqa: E402
 
+import asyncckpt  # noqa: E402
 from asyncckpt import CheckpointConfig  # noqa: E402
 from asyncckpt.layout import step_dir_name  # noqa: E402
-from asyncckpt.save.commit import SaveTarget, finish_save  # noqa: E402
+from asyncckpt.save.commit import CommitMemory, SaveTarget, finish_save, rank_share  # noqa: E402
 from asyncckpt.save.inflight import InFlightSave  # noqa: E402
 from asyncckpt.save.planning import Planning  # noqa: E402
 from asyncckpt.save.rank_worker import RankWorker  # noqa: E402
@@ -89,12 +90,14 @@ def test_a_simulated_commit_of_two_real_ranks_files_loads_with_stock_dcp(tmp_pat
     assert all(o.error is None for o in outcomes), [o.error for o in outcomes]
     assert {w.relative_path[:4] for o in outcomes for w in o.written.items} == {"__0_", "__1_"}
 
-    coordinator.inbox = [pickle.dumps(outcomes[1])]
     target = SaveTarget(root, 1, step_dir_name(1), step_dir, planned[0].metadata)
+    share, _ = rank_share(storage, target, outcomes[1], True, CommitMemory(), own_part=True)  # rank 1's own code
+    coordinator.inbox = [pickle.dumps(share)]
     janitor = Janitor()
-    verdict = finish_save(coordinator, storage, target, outcomes[0], True, None, janitor)
+    verdict = finish_save(coordinator, storage, target, outcomes[0], True, None, janitor, CommitMemory())
     janitor.close(10.0)
     assert verdict.committed, verdict.error
+    assert asyncckpt.verify_checkpoint(step_dir) == []  # rank 1's items checked through its checksums part
 
     loaded = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else None for k, v in full.items()}
     dcp.load(loaded, checkpoint_id=step_dir, no_dist=True)
@@ -107,20 +110,20 @@ def test_a_simulated_commit_of_two_real_ranks_files_loads_with_stock_dcp(tmp_pat
 
 def test_the_simulator_counts_a_steady_commit_and_matches_dcps_metadata(tmp_path):
     """At 8 ranks of each job shape: both methods commit the same entries; our `.metadata` is no
-    larger than DCP's; a steady save gathers no plans; with DDP (rank 0 writes everything) a rank
-    that writes nothing sends only its small outcome, not rank 0's write results (gather_object
-    pads every message to the largest one)."""
+    larger than DCP's; a steady save gathers no plans and no entries (the layout is unchanged);
+    with DDP (rank 0 writes everything) a rank that writes nothing sends only its small share,
+    not rank 0's write results (gather_object pads every message to the largest one)."""
     rows = {}
     for parallel, tp in (("fsdp", 1), ("fsdp_tp", 2), ("ddp", 1)):
         ours, theirs = measure(JobShape(TINY, parallel, tp), 8, str(tmp_path / parallel))
         assert ours.chunks == theirs.chunks > 0
         assert ours.metadata_bytes <= theirs.metadata_bytes
         assert ours.steady_rank_sent < ours.first_rank_sent  # no local plan travels on a steady save
+        assert ours.steady_rank_sent < 1024, ours  # nor any entry or checksum: a few numbers
         rows[parallel] = ours
     fsdp, ddp = rows["fsdp"], rows["ddp"]
-    writer_results = ddp.phases["results_bytes"]  # the 7 others' outcomes, all empty
-    assert ddp.steady_rank_sent < 1024, ddp
-    assert ddp.steady_coordinator_received < 7 * 1024 + writer_results
+    assert ddp.steady_coordinator_received < 7 * 1024, ddp
+    assert fsdp.steady_coordinator_received < 7 * 1024, fsdp
     assert fsdp.steady_beyond_results < 8 * 1024, fsdp
 
 
