@@ -36,7 +36,7 @@ SHAPES = {s.name: s for s in (JobShape(LLAMA_7B, "fsdp"), JobShape(LLAMA_70B, "f
 DEFAULT_SHAPES = list(SHAPES)
 SHAPES["tiny FSDP"] = JobShape(TINY, "fsdp")  # a smoke run (tests)
 # what runs in a few minutes on 2 cores: ~0.7 ms of work per chunk (both methods)
-DEFAULT_RANKS = {"7B FSDP": (8, 16, 32), "70B FSDP": (8, 16, 32), "70B FSDPxTP8": (8, 16, 32),
+DEFAULT_RANKS = {"7B FSDP": (8, 16, 32), "70B FSDP": (8, 16, 32, 64), "70B FSDPxTP8": (8, 16, 32),
                  "7B DDP": (8, 16, 32, 64)}
 TARGETS = (64, 1024, 16384)
 

@@ -15,7 +15,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from asyncckpt import AsyncCheckpointer, CheckpointConfig, CheckpointError, cleanup, verify_checkpoint
-from asyncckpt.layout import WRITES_PER_PREFIX, data_folder, is_data_file, list_files, prefix_count
+from asyncckpt.layout import WRITES_PER_PREFIX, data_folder, is_checksums_part, is_data_file, list_files, prefix_count
 from asyncckpt.loading.load import uploads_left_open
 from asyncckpt.storage import OpenUpload, storage_for
 from asyncckpt.testing.s3_faults import Fault, FaultyS3
@@ -120,7 +120,8 @@ def test_two_ranks_spread_over_prefixes_on_s3(s3_server, request):
     assert {name.split("/")[0] for name in data} == {"p00", "p01"}, data
     assert all(name.startswith("p00/__0_") or name.startswith("p01/__1_") for name in data), data
     beside = sorted(k[len(step2):] for k in keys if k.startswith(step2) and "__" not in k)
-    assert len(beside) == 2 and beside[0].startswith(".checksums") and beside[1] == ".metadata", beside
+    assert len(beside) == 3 and beside[0].startswith(".checksums") and beside[1] == ".metadata", beside
+    assert is_checksums_part(beside[2]) and beside[2].startswith("p01/.checksums.r1"), beside  # rank 1's, in its folder
     assert s3_server.pending_multipart_uploads(prefix + "/") == []
 
     path = step_path(root, 2)
