@@ -128,6 +128,10 @@ def test_ranks_save_one_checkpoint_that_stock_dcp_loads_resharded(world, tmp_pat
     with open(os.path.join(step2, ".checksums.json")) as f:
         assert [p["file"] for p in json.load(f)["parts"]] == [f".checksums.r{r}.json" for r in range(1, world)]
     assert asyncckpt.verify_checkpoint(step2) == []
+    stray = os.path.join(step2, ".checksums.r9.json")  # a part no sidecar names (another save's)
+    with open(stray, "w") as f:
+        f.write("{}")
+    assert asyncckpt.cleanup(root, dry_run=True) == [stray]  # the named parts are the checkpoint's
     with open(os.path.join(step2, "__1_0.distcp"), "r+b") as f:  # a flipped byte in rank 1's data
         f.seek(-2, os.SEEK_END)
         last = f.read(1)
