@@ -221,6 +221,7 @@ class ChecksumsPart:
     file: str  # relative to the checkpoint directory
     length: int
     crc32c: int
+    data_files: tuple[str, ...]  # the files whose items it holds (a load reads only the parts it needs)
 
 
 @dataclass(frozen=True)
@@ -259,7 +260,8 @@ def encode_checksums(entries: list[ItemChecksum], save_id: Optional[str], parts:
     # compact: json's C encoder (indent= takes the pure-Python one, 3.5x slower at 100k items)
     doc = {"algorithm": CHECKSUM_ALGORITHM, "save_id": save_id, "items": records}
     if parts:
-        doc["parts"] = [{"file": p.file, "length": p.length, "crc32c": p.crc32c} for p in parts]
+        doc["parts"] = [{"file": p.file, "length": p.length, "crc32c": p.crc32c, "data_files": list(p.data_files)}
+                        for p in parts]
     return json.dumps(doc, separators=(",", ":")).encode()
 
 
@@ -285,12 +287,13 @@ def decode_checksums(data: bytes) -> Sidecar:
 
 def _decode_part(n: int, record) -> ChecksumsPart:
     try:
-        part = ChecksumsPart(record["file"], record["length"], record["crc32c"])
+        file, length, crc, data_files = record["file"], record["length"], record["crc32c"], record["data_files"]
     except (KeyError, TypeError) as exc:
         raise ValueError(f"part {n}: missing field {exc}") from None
-    if not isinstance(part.file, str) or not _is_int(part.length) or not _is_int(part.crc32c):
+    ok = isinstance(file, str) and _is_int(length) and _is_int(crc) and isinstance(data_files, list)
+    if not ok or not all(isinstance(f, str) for f in data_files):
         raise ValueError(f"part {n}: a field has the wrong type ({record!r:.200})")
-    return part
+    return ChecksumsPart(file, length, crc, tuple(data_files))
 
 
 def _decode_item(n: int, record) -> ItemChecksum:

@@ -8,8 +8,8 @@ export and the doors' resumes are handed this one object, so a path's storage is
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Optional
+from dataclasses import dataclass, field, replace
+from typing import Iterable, Optional
 
 from torch.distributed.checkpoint.metadata import Metadata
 
@@ -18,7 +18,7 @@ from ..formats import Sidecar
 from ..layout import METADATA_FILE
 from ..storage import Storage, storage_for
 from .safety import check_relative_path, load_metadata
-from .verify import find_sidecar, read_sidecar, sidecar_belongs_to
+from .verify import find_sidecar, parts_holding, read_part, read_sidecar, sidecar_belongs_to
 
 _NOT_LOOKED = object()  # the sidecar's file has not been looked for yet
 
@@ -65,7 +65,8 @@ class OpenCheckpoint:
     trusted: bool
     files: dict[str, str]
     _sidecar_file: object = field(default=_NOT_LOOKED, repr=False)
-    _sidecar: Optional[Sidecar] = field(default=None, repr=False)
+    _sidecar: Optional[Sidecar] = field(default=None, repr=False)  # with the items of the parts read so far
+    _parts_read: set[str] = field(default_factory=set, repr=False)
     _sizes: dict[str, int] = field(default_factory=dict, repr=False)
 
     @property
@@ -75,10 +76,21 @@ class OpenCheckpoint:
             self._sidecar_file = find_sidecar(self.storage, self.path, self.metadata)
         return self._sidecar_file  # type: ignore[return-value]
 
-    def sidecar(self) -> Optional[Sidecar]:
-        """The parsed sidecar (None: there is none); CheckpointError naming it if it is damaged."""
-        if self._sidecar is None and self.sidecar_file is not None:
-            self._sidecar = read_sidecar(self.storage, self.path, self.sidecar_file)
+    def sidecar(self, data_files: Optional[Iterable[str]] = None) -> Optional[Sidecar]:
+        """The parsed sidecar (None: there is none) with the items of its parts that hold
+        `data_files` (None: every part; a load reads only those of the files it reads);
+        CheckpointError naming it or a part if one is damaged."""
+        if self.sidecar_file is None:
+            return None
+        if self._sidecar is None:
+            self._sidecar = read_sidecar(self.storage, self.path, self.sidecar_file, data_files=())
+        missing = [p for p in parts_holding(self._sidecar, data_files) if p.file not in self._parts_read]
+        if missing:
+            items = list(self._sidecar.items)
+            for part in missing:
+                items += read_part(self.storage, self.path, self.sidecar_file, self._sidecar, part)
+                self._parts_read.add(part.file)
+            self._sidecar = replace(self._sidecar, items=items)
         return self._sidecar
 
     def own_sidecar(self) -> Optional[Sidecar]:

@@ -111,7 +111,7 @@ class SafeReader(StorageReader):
         """(file, offset, length) -> checksum from the sidecar, so every item is checked as it is
         read (no second pass over the data). Checkpoints without a sidecar load unchecked."""
         try:
-            sidecar = self.opened.sidecar()
+            sidecar = self.opened.sidecar(data_files=())  # parts: those of the files read (_load_parts_for)
         except CheckpointError as exc:
             raise CheckpointError(f"{exc}; {UNCHECKED_HINT}") from None
         if sidecar is None:
@@ -122,6 +122,15 @@ class SafeReader(StorageReader):
             return {}
         self.sidecar = sidecar
         return {(e.relative_path, e.start, e.length): e.crc32 for e in sidecar.items}
+
+    def _load_parts_for(self, relative_paths) -> None:
+        """The checksums of the files this rank reads, from the parts that hold them (a save of
+        several ranks: each rank's own), read now rather than every part at set-up."""
+        try:
+            self.sidecar = self.opened.sidecar(data_files=relative_paths)
+        except CheckpointError as exc:
+            raise CheckpointError(f"{exc}; {UNCHECKED_HINT}") from None
+        self.checksums = {(e.relative_path, e.start, e.length): e.crc32 for e in self.sidecar.items}
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
@@ -142,6 +151,8 @@ class SafeReader(StorageReader):
             ranges = [(_item_name(r), self.metadata.storage_data[r.storage_index].offset,
                        self.metadata.storage_data[r.storage_index].length) for r in reqs]
             check_ranges(files[relative_path], sorted(ranges, key=lambda r: r[1]), size)
+        if self.sidecar is not None and self.sidecar.parts:
+            self._load_parts_for(per_file)
         items = [self._item_read(files[info_path], req, planner) for info_path, reqs in per_file.items() for req in reqs]
         sidecar = self.sidecar if self.checksums else None
         objects = [item for item in items if item.req.type == LoadItemType.BYTE_IO]

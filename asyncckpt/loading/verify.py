@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 from torch.distributed.checkpoint.metadata import Metadata
 
 from ..errors import CheckpointError
-from ..formats import Sidecar, crc32c, decode_checksums
+from ..formats import ChecksumsPart, ItemChecksum, Sidecar, crc32c, decode_checksums
 from ..layout import CHECKSUMS_FILE, SIDECAR_NAME, is_checksums_part, sidecar_file
 from .safety import check_relative_path
 from ..storage import Storage
@@ -75,27 +75,32 @@ def stale_sidecars(storage: Storage, path: str, names: list[str], metadata: Meta
     return stale + [n for n in parts if n not in used]
 
 
-def read_sidecar(storage: Storage, path: str, file: str) -> Sidecar:
-    """The sidecar `file` of checkpoint `path`, parsed, with the items of its parts; CheckpointError
-    naming the file if it or a part is damaged, unreadable or another save's, or names a file
-    outside the checkpoint."""
+def read_sidecar(storage: Storage, path: str, file: str, data_files: Optional[Iterable[str]] = None) -> Sidecar:
+    """The sidecar `file` of checkpoint `path`, parsed, with the items of its parts that hold
+    `data_files` (None: of every part); CheckpointError naming the file if it or a part is
+    damaged, unreadable or another save's, or names a file outside the checkpoint."""
     try:
         sidecar = decode_checksums(storage.read_bytes(file))
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{file}: damaged or unreadable checksums sidecar: {exc}") from None
+    _check_paths(storage, path, file, {e.relative_path for e in sidecar.items})
     items = list(sidecar.items)
-    for part in sidecar.parts:
-        items += _read_part(storage, path, file, part, sidecar.algorithm)
-    for relative_path in {e.relative_path for e in items}:
-        try:
-            check_relative_path(storage, path, relative_path)
-        except CheckpointError as exc:
-            raise CheckpointError(f"{file}: {exc}") from None
+    for part in parts_holding(sidecar, data_files):
+        items += read_part(storage, path, file, sidecar, part)
     return Sidecar(sidecar.algorithm, sidecar.save_id, items, sidecar.parts)
 
 
-def _read_part(storage: Storage, path: str, file: str, part, algorithm: str) -> list:
-    check_relative_path(storage, path, part.file)
+def parts_holding(sidecar: Sidecar, data_files: Optional[Iterable[str]]) -> list[ChecksumsPart]:
+    """The parts of `sidecar` that hold items of `data_files` (None: every part)."""
+    if data_files is None:
+        return list(sidecar.parts)
+    wanted = set(data_files)
+    return [p for p in sidecar.parts if not wanted.isdisjoint(p.data_files)]
+
+
+def read_part(storage: Storage, path: str, file: str, sidecar: Sidecar, part: ChecksumsPart) -> list[ItemChecksum]:
+    """The items of one part of the sidecar `file`: its bytes must be those the sidecar names."""
+    _check_paths(storage, path, file, {part.file})
     name = storage.join(path, part.file)
     try:
         data = storage.read_bytes(name)
@@ -107,9 +112,18 @@ def _read_part(storage: Storage, path: str, file: str, part, algorithm: str) -> 
         decoded = decode_checksums(data)
     except ValueError as exc:
         raise CheckpointError(f"{name}: damaged checksums part: {exc}") from None
-    if decoded.algorithm != algorithm or decoded.parts:
+    if decoded.algorithm != sidecar.algorithm or decoded.parts:
         raise CheckpointError(f"{name}: checksums part does not match {file}")
+    _check_paths(storage, path, name, {e.relative_path for e in decoded.items})
     return decoded.items
+
+
+def _check_paths(storage: Storage, path: str, file: str, relative_paths: set[str]) -> None:
+    for relative_path in relative_paths:
+        try:
+            check_relative_path(storage, path, relative_path)
+        except CheckpointError as exc:
+            raise CheckpointError(f"{file}: {exc}") from None
 
 
 @dataclass(frozen=True)

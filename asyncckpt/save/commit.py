@@ -160,7 +160,7 @@ def _publish_part(storage: Storage, target: SaveTarget, rank: int, items, fsync:
     name = checksums_part_file(rank, target.file_tag, folder)
     data = encode_checksums(checksums, None)
     storage.write_atomic(storage.join(target.step_dir, name), data, fsync=fsync)
-    return ChecksumsPart(name, len(data), crc32c(data))
+    return ChecksumsPart(name, len(data), crc32c(data), tuple(sorted({c.relative_path for c in checksums})))
 
 
 def _sync_data_folder(storage: Storage, target: SaveTarget, items) -> None:

@@ -143,6 +143,12 @@ def test_ranks_save_one_checkpoint_that_stock_dcp_loads_resharded(world, tmp_pat
         f.write(b" ")
     with pytest.raises(CheckpointError, match=r"\.checksums\.r1\.json: checksums part is not the one"):
         asyncckpt.verify_checkpoint(step2)
+    # a load reads only the parts of the files it reads: rank 0's items still load (checked)
+    mine = {"rank0": {"local": torch.zeros(5)}}
+    asyncckpt.load(mine, step2)
+    assert torch.equal(mine["rank0"]["local"], torch.full((5,), 2.0))
+    with pytest.raises(CheckpointError, match=r"\.checksums\.r1\.json"):
+        asyncckpt.load({"rank1": {"local": torch.zeros(5)}}, step2)
 
 
 def _failure_on_rank1(rank: int, world: int, root: str) -> None:
