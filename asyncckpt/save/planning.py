@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.stateful import Stateful
 
 from ..errors import CheckpointError
+from ..loading.safety import collector_paused
 from .ranks import RankGroup
 
 
@@ -111,15 +112,16 @@ class Planning:
     def build(self, local: LocalPlan, group: RankGroup) -> PlannedSave:
         """Global planning: gather local plans, the coordinator builds the global plan and the
         metadata (DCP dedup + validation), each rank gets its final plan back."""
-        all_plans = group.gather(local.plan)
-        replies: Optional[list] = None
-        metadata = None
-        if group.is_coordinator:
-            try:
-                global_plans, metadata = local.planner.create_global_plan(all_plans)
-                replies = list(global_plans)
-            except Exception as exc:  # tell every rank, so none waits on a scatter that never comes
-                replies = [f"global planning failed on the coordinator: {type(exc).__name__}: {exc}"] * group.size
+        with collector_paused():  # the coordinator unpickles every rank's plan and builds the global one
+            all_plans = group.gather(local.plan)
+            replies: Optional[list] = None
+            metadata = None
+            if group.is_coordinator:
+                try:
+                    global_plans, metadata = local.planner.create_global_plan(all_plans)
+                    replies = list(global_plans)
+                except Exception as exc:  # tell every rank, so none waits on a scatter that never comes
+                    replies = [f"global planning failed on the coordinator: {type(exc).__name__}: {exc}"] * group.size
         mine = group.scatter(replies)
         if isinstance(mine, str):
             raise CheckpointError(f"rank {group.rank}: {mine}")

@@ -265,3 +265,26 @@ def test_trusted_metadata_with_extra_classes_loads(tmp_path):
     target = zeros_like_state(small_state())
     load(target, path, trusted=True)
     assert torch.equal(target["w"], torch.arange(64.0).reshape(8, 8))
+
+
+def test_reading_metadata_pauses_the_collector_and_leaves_it_as_it_was():
+    """`.metadata` is unpickled with the cyclic collector off (millions of objects at scale); it
+    is on again afterwards, also when the file is refused, and stays off if the caller had it off."""
+    import gc
+    import pickle
+
+    from asyncckpt.loading.safety import load_metadata
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    assert gc.isenabled()
+    assert isinstance(load_metadata(pickle.dumps(Metadata({})), "ok"), Metadata)
+    assert gc.isenabled()
+    with pytest.raises(CheckpointError):
+        load_metadata(pickle.dumps(os.system), "crafted")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        load_metadata(pickle.dumps(Metadata({})), "ok")
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
