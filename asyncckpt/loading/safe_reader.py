@@ -133,6 +133,10 @@ class SafeReader(StorageReader):
         self.checksums = {(e.relative_path, e.start, e.length): e.crc32 for e in self.sidecar.items}
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        """DCP's plan phase, where an error on any rank is raised on every rank before anything is
+        read: the checksums parts of the files this rank will read are read here."""
+        if self.sidecar is not None and self.sidecar.parts:
+            self._load_parts_for({self.metadata.storage_data[req.storage_index].relative_path for req in plan.items})
         return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
@@ -151,7 +155,7 @@ class SafeReader(StorageReader):
             ranges = [(_item_name(r), self.metadata.storage_data[r.storage_index].offset,
                        self.metadata.storage_data[r.storage_index].length) for r in reqs]
             check_ranges(files[relative_path], sorted(ranges, key=lambda r: r[1]), size)
-        if self.sidecar is not None and self.sidecar.parts:
+        if self.sidecar is not None and self.sidecar.parts:  # (read in prepare_local_plan under DCP)
             self._load_parts_for(per_file)
         items = [self._item_read(files[info_path], req, planner) for info_path, reqs in per_file.items() for req in reqs]
         sidecar = self.sidecar if self.checksums else None

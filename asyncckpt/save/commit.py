@@ -124,7 +124,9 @@ def finish_save(
         shares[0] = share
         decision = _decide(storage, target, outcome, shares, fsync, keep_last, memory)
     verdict = group.broadcast(decision.verdict if decision is not None else None)
-    if verdict.committed and entries is not None:
+    if not verdict.committed:  # the next save sends its entries whole: nothing stale is ever assumed
+        memory.own_entries = None
+    elif entries is not None:
         memory.own_entries = entries
     janitor.finished(decision.tidy if decision is not None else None)
     return verdict
@@ -142,11 +144,13 @@ def rank_share(storage: Storage, target: SaveTarget, outcome: RankOutcome, fsync
     entries = encode_entries(written.items)
     try:
         part = _publish_part(storage, target, outcome.rank, written.items, fsync) if own_part else None
-        if fsync:
-            _sync_data_folder(storage, target, written.items)
     except OSError as exc:
-        error = f"could not publish its checksums in {target.step_dir}: {exc!r}"
-        return RankShare(outcome.rank, error=error), None
+        return RankShare(outcome.rank, error=f"could not publish its checksums in {target.step_dir}: {exc!r}"), None
+    try:
+        if fsync:
+            _sync_data_folders(storage, target, written.items)
+    except OSError as exc:
+        return RankShare(outcome.rank, error=f"could not sync its data folder in {target.step_dir}: {exc!r}"), None
     sent = None if entries == memory.own_entries else entries
     share = RankShare(outcome.rank, None, sent, zlib.crc32(entries), part, written.bytes_written, written.bytes_linked)
     return share, entries
@@ -163,11 +167,11 @@ def _publish_part(storage: Storage, target: SaveTarget, rank: int, items, fsync:
     return ChecksumsPart(name, len(data), crc32c(data), tuple(sorted({c.relative_path for c in checksums})))
 
 
-def _sync_data_folder(storage: Storage, target: SaveTarget, items) -> None:
-    """This rank's data folder (prefix spreading): every file's entry in it is durable before the
-    commit. Files right in the step directory are covered by the coordinator's sync of it."""
-    folder = items[0].relative_path.rpartition("/")[0] if items else ""
-    if folder:
+def _sync_data_folders(storage: Storage, target: SaveTarget, items) -> None:
+    """This rank's data folders (prefix spreading; an in-place incremental save may keep reused
+    files in an older one): every file's entry is durable before the commit. Files right in the
+    step directory are covered by the coordinator's sync of it."""
+    for folder in sorted({item.relative_path.rpartition("/")[0] for item in items} - {""}):
         storage.sync_dir(storage.join(target.step_dir, folder))
 
 

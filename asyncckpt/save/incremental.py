@@ -84,7 +84,9 @@ def base_from_checkpoint(path: str, rank: int) -> Optional[IncrementalBase]:
         sidecar_path = find_sidecar(storage, path, metadata)
         if sidecar_path is None:
             raise CheckpointError("it has no checksums sidecar")
-        sidecar = read_sidecar(storage, path, sidecar_path)
+        own_files = {i.relative_path for i in (metadata.storage_data or {}).values()
+                     if i.relative_path.rpartition("/")[2].startswith(f"__{rank}_")}
+        sidecar = read_sidecar(storage, path, sidecar_path, data_files=own_files)  # this rank's part only
         if not sidecar_belongs_to(sidecar, metadata):
             raise CheckpointError(f"{sidecar_path} belongs to another save")
     except (OSError, CheckpointError) as exc:

@@ -12,13 +12,16 @@ So the file is written as one valid pickle stream made of pieces:
 
 - *shared*: the classes and field names every entry uses, memoised at the same small indices in
   every process (`_shared_indices`), so each rank can encode its entries on its own;
-- *head*: the global plan's `Metadata` with an empty `storage_data` and placeholder `storage_meta`,
+- *head*: the global plan's `Metadata` with an empty `storage_data` and no `storage_meta`,
   pickled once per plan (by the coordinator) and kept;
 - *tail*: this save's `storage_meta` (checkpoint id, save id), set on the `Metadata` (BUILD), so
   everything before it is the same bytes for every save of one layout;
 - *entries*: each rank's `storage_data` items, encoded by that rank (`encode_entries`) without
-  memo writes of their own (pickle's fast mode) except its file names, which it puts at indices
-  just after *shared*; the pieces therefore never depend on one another's memo.
+  memo writes of their own (pickle's fast mode) except its file names, which it puts (BINPUT) at
+  indices just after *shared*; the pieces therefore never depend on one another's memo.
+
+A rank's entries are reused only while its file names stay the same: an incremental save or a
+re-save of a committed step names its files with a fresh tag, so its ranks send their entries.
 
 A rank whose entries equal those of its last committed save sends nothing new, and the coordinator
 reuses what it kept: a steady save is a concatenation. The result is an ordinary protocol-4 pickle
@@ -28,6 +31,7 @@ DCP's because entries carry no memo writes.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import io
 import pickle
@@ -64,7 +68,7 @@ class MetadataHead:
 def encode_head(plan: Metadata, version: str) -> MetadataHead:
     """The head of every `.metadata` of saves planned with `plan` (see the module docstring)."""
     storage_data = {}
-    head = Metadata(plan.state_dict_metadata, plan.planner_data, storage_data, None, version)
+    head = dataclasses.replace(plan, storage_data=storage_data, storage_meta=None, version=version)
     buffer = io.BytesIO()
     pickler = pickle.Pickler(buffer, protocol=4)
     pickler.dump(list(_SHARED))

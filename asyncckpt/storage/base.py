@@ -77,7 +77,7 @@ class Storage(ABC):
     @abstractmethod
     def write_atomic(self, path: str, data: bytes | Sequence[bytes], fsync: bool = True) -> None:
         """Publish a file whole or not at all: readers see the old state or the new bytes (`data`,
-        or its pieces in order: a large `.metadata` is written without joining them first)."""
+        or its pieces in order: a local file is written without joining them first)."""
 
     @abstractmethod
     def read_bytes(self, path: str, offset: int = 0, length: Optional[int] = None) -> bytes:

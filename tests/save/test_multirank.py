@@ -149,6 +149,16 @@ def test_ranks_save_one_checkpoint_that_stock_dcp_loads_resharded(world, tmp_pat
     assert torch.equal(mine["rank0"]["local"], torch.full((5,), 2.0))
     with pytest.raises(CheckpointError, match=r"\.checksums\.r1\.json"):
         asyncckpt.load({"rank1": {"local": torch.zeros(5)}}, step2)
+    run_ranks(_load_own_entry_with_a_damaged_part, 2, step2)  # every rank fails before reading
+
+
+def _load_own_entry_with_a_damaged_part(rank: int, world: int, path: str) -> None:
+    """Rank 1's checksums part is damaged: both ranks fail in DCP's plan phase, so neither
+    rank's state changed (the parts are read there, not as each rank reads its data)."""
+    target = {f"rank{rank}": {"local": torch.zeros(5)}}
+    with pytest.raises(CheckpointError, match="nothing in state_dict was changed|checksums part"):
+        asyncckpt.load(target, path)
+    assert torch.equal(target[f"rank{rank}"]["local"], torch.zeros(5))
 
 
 def _failure_on_rank1(rank: int, world: int, root: str) -> None:
