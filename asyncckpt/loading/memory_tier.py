@@ -18,14 +18,13 @@ import time
 from dataclasses import dataclass
 from typing import Any, Optional, Protocol
 
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata
 
 from ..errors import CheckpointError
 from ..formats import CHECKSUM_ALGORITHM, Sidecar
 from ..layout import latest_checkpoint
 from ..memory_file import MemoryCopy, NotACopy, memory_file_name, owner_alive, read_copy, root_key
 from .load import load
-from .mapped_files import MappedFiles
 from .memory_plan import rebuild_metadata
 from .resume import ResumeReport
 from .opened import OpenCheckpoint, opened_with
@@ -210,8 +209,7 @@ def _save_id(path: str) -> Optional[str]:
 
 class MemoryReader(SafeReader):
     """SafeReader over the memory tier's files: the Metadata rebuilt from the headers, the
-    headers' checksums; tensors are raw bytes in the slabs, copied out of a mapping of each
-    slab's tensor region (mapped_files.py)."""
+    headers' checksums; tensors are raw bytes in the slabs, read as local files are."""
 
     def __init__(self, memory_dir: str, metadata: Metadata, checksums: dict[tuple[str, int, int], int],
                  trusted: bool) -> None:
@@ -228,12 +226,3 @@ class MemoryReader(SafeReader):
 
     def raw_file(self, relative_path: str) -> bool:
         return True
-
-    def _source(self) -> MappedFiles:
-        """Each file mapped up to the end of its last tensor (the slab; objects and header follow it)."""
-        tensors_end: dict[str, int] = {}
-        for index, info in self._rebuilt.storage_data.items():
-            if isinstance(self._rebuilt.state_dict_metadata.get(index.fqn), TensorStorageMetadata):
-                path = self.opened.files[info.relative_path]
-                tensors_end[path] = max(tensors_end.get(path, 0), info.offset + info.length)
-        return MappedFiles(tensors_end)
