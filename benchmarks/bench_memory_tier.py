@@ -122,11 +122,12 @@ def restarts(state: dict, workdir: str, repeat: int) -> dict[str, list[tuple[flo
 def floor_read(path: str) -> Callable[[], None]:
     """The least a restore from memory does: every byte of the copy's items (`path`, the tier's
     file) read into a touched buffer of their size, 256 KiB per `os.preadv` with its CRC32C right
-    after, in 64 MiB pieces on the loader's threads (the restore reads the same way)."""
+    after, in pieces on the loader's threads (the restore reads the same way)."""
     end = max(item.at + item.length for item in read_copy(path).items)
     dest = torch.ones(end, dtype=torch.uint8)
     view = memoryview(dest.numpy())
-    step, piece = LocalFiles.step_bytes, LocalFiles.piece_bytes
+    step, threads = LocalFiles.step_bytes, LocalFiles.threads
+    piece = min(LocalFiles.piece_bytes, max(step, end // (2 * threads)))  # as reader.fetch_items sizes them
 
     def read_piece(start: int) -> None:
         fd = os.open(path, os.O_RDONLY)
@@ -141,7 +142,7 @@ def floor_read(path: str) -> Callable[[], None]:
             os.close(fd)
 
     def load() -> None:
-        with ThreadPoolExecutor(max_workers=LocalFiles.threads) as pool:
+        with ThreadPoolExecutor(max_workers=threads) as pool:
             list(pool.map(read_piece, range(0, end, piece)))
 
     return load
