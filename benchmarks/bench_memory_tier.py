@@ -9,6 +9,10 @@ time is the staging hand-off alone. Median of --saves.
 Then (--restarts) the restart: `load_latest` of a root whose newest save is committed and held by
 the tier, cold (the disk's pages dropped, as bench_load.py's restart rows), from memory and from
 the disk alternating; median seconds, CPU seconds of this process (its reading threads), ratio.
+Beside them, the floor of a restore from memory: every byte of the memory copy's items read into
+touched memory and checksummed as the loader does (`os.preadv` of 256 KiB, its CRC32C right
+after, on the loader's threads), with no planning and no targets to find: how close the restore
+is to what this box allows, and the most "disk / memory" could reach here.
 
     python benchmarks/bench_memory_tier.py --size-mb 1024 --saves 7 --restarts 7
 """
@@ -23,12 +27,21 @@ import statistics
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
+
+import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from savebench.state import build_state, state_tensors  # noqa: E402
 from bench_load import check_equal, drop_cache, empty_like_state, restart_rows  # noqa: E402
 
 from asyncckpt import AsyncCheckpointer, CheckpointConfig  # noqa: E402
+from asyncckpt.formats import crc32c  # noqa: E402
+from asyncckpt.loading.byte_sources import LocalFiles  # noqa: E402
+from asyncckpt.memory_file import memory_file_name, read_copy  # noqa: E402
+
+FLOOR = "floor: preadv + CRC32C, no planning"
 
 
 def main() -> int:
@@ -77,9 +90,11 @@ def main() -> int:
         print(f"{'from':<34} {'s':>7} {'CPU s':>7}")
         for name, values in restart.items():
             print(f"{name:<34} {statistics.median(w for w, _ in values):>7.3f} {statistics.median(c for _, c in values):>7.3f}")
-        ratio = (statistics.median(w for w, _ in restart["restart from disk (load_latest)"])
-                 / statistics.median(w for w, _ in restart["restart from memory"]))
+        disk = statistics.median(w for w, _ in restart["restart from disk (load_latest)"])
+        ratio = disk / statistics.median(w for w, _ in restart["restart from memory"])
         print(f"cold: restart from disk / restart from memory (>= 5): {ratio:.2f}")
+        print(f"cold: restart from disk / floor (the most this box allows): "
+              f"{disk / statistics.median(w for w, _ in restart[FLOOR]):.2f}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"state_bytes": nbytes, "blocked_s": rows, "staging_s": staging, "restart_s_cpu_s": restart,
@@ -93,6 +108,7 @@ def restarts(state: dict, workdir: str, repeat: int) -> dict[str, list[tuple[flo
     box = [empty_like_state(state)]
     times: dict[str, list[tuple[float, float]]] = {}
     with restart_rows(root, state, box) as rows:
+        rows = [*rows, (FLOOR, floor_read(os.path.join(CheckpointConfig().memory_dir, memory_file_name(root, 0))))]
         for _ in range(repeat):
             for name, load in rows:
                 drop_cache(root)
@@ -101,6 +117,35 @@ def restarts(state: dict, workdir: str, repeat: int) -> dict[str, list[tuple[flo
                 times.setdefault(name, []).append((time.perf_counter() - wall, time.process_time() - cpu))
     check_equal(box[0], state)
     return times
+
+
+def floor_read(path: str) -> Callable[[], None]:
+    """The least a restore from memory does: every byte of the copy's items (`path`, the tier's
+    file) read into a touched buffer of their size, 256 KiB per `os.preadv` with its CRC32C right
+    after, in pieces on the loader's threads (the restore reads the same way)."""
+    end = max(item.at + item.length for item in read_copy(path).items)
+    dest = torch.ones(end, dtype=torch.uint8)
+    view = memoryview(dest.numpy())
+    step, threads = LocalFiles.step_bytes, LocalFiles.threads
+    piece = min(LocalFiles.piece_bytes, max(step, end // (2 * threads)))  # as reader.fetch_items sizes them
+
+    def read_piece(start: int) -> None:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            crc = 0
+            for at in range(start, min(start + piece, end), step):
+                chunk = view[at:min(at + step, end)]
+                if os.preadv(fd, [chunk], at) != len(chunk):
+                    raise OSError(f"{path}: short read at {at}")
+                crc = crc32c(chunk, crc)
+        finally:
+            os.close(fd)
+
+    def load() -> None:
+        with ThreadPoolExecutor(max_workers=threads) as pool:
+            list(pool.map(read_piece, range(0, end, piece)))
+
+    return load
 
 
 if __name__ == "__main__":
