@@ -25,7 +25,11 @@ worker starts beside them), less the next `--window` steps; the end's cost is th
 last step's start to fit's return (its saves, and the wait for their writes in teardown). A
 fit's local total adds all of them (the start, every event, the end); the local overhead is
 that total less its pair's, over the time of the fit's steps without checkpoints (median and
-range over rounds). The parts are shown apart: the start, the first event (it pays one-time
+range over rounds).
+
+Before the fits, the plugin's start-up alone (`--start-ups` fresh plugins): the worker processes
+it spawns and their CPU seconds from the spawn until the worker is ready (psutil: the worker and
+the processes it started), the cost a fit pays when no core is free for it. The parts are shown apart: the start, the first event (it pays one-time
 costs) and the end as medians over rounds, the later events as the mean over all of them, each
 less the same figure of the fits without checkpoints (Lightning's own work at those steps, e.g.
 logging every 50 steps).
@@ -39,6 +43,7 @@ between events, as real jobs checkpoint far less often than every second).
     python benchmarks/bench_lightning.py --threads 1           # the fit on one core, one left free
     python benchmarks/bench_lightning.py --steps 0 --rounds 5  # the representative fit only, more rounds
     python benchmarks/bench_lightning.py --width 2048 --steps 80 --out bench_out/bench_lightning.json
+    python benchmarks/bench_lightning.py --steps 0 --long-steps 0     # the plugin's start-up only
     python benchmarks/bench_lightning.py --report bench_out/bench_lightning.json  # its tables again
 """
 
@@ -54,6 +59,7 @@ import time
 import warnings
 
 import lightning as L
+import psutil
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import AsyncCheckpointIO as LightningAsyncIO
@@ -157,6 +163,42 @@ def _cpu_s() -> float:
     """CPU seconds of this process and its reaped children (the plugin's workers once closed)."""
     t = os.times()
     return t.user + t.system + t.children_user + t.children_system
+
+
+def plugin_start_up(rounds: int) -> dict:
+    """The plugin's start-up, `rounds` fresh plugins one after another: the processes it spawns
+    (its workers) and their CPU seconds, with the processes they start, until the worker is ready."""
+    cpu_s, workers = [], []
+    for _ in range(rounds):
+        ours = psutil.Process()
+        before = {child.pid for child in ours.children()}
+        plugin = AsyncCheckpointIO()  # spawns its worker now (global rank 0)
+        try:
+            deadline = time.monotonic() + 120
+            while True:
+                with plugin._saves.lock:
+                    if plugin._saves.ensure_saver().worker_ready:
+                        break
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the plugin's worker did not start within 120 s")
+                time.sleep(0.01)
+            spawned = [child for child in ours.children() if child.pid not in before]
+            processes = spawned + [child for process in spawned for child in process.children(recursive=True)]
+            cpu_s.append(sum(sum(process.cpu_times()[:2]) for process in processes))  # user + system
+            workers.append(sum("spawn_main" in " ".join(child.cmdline()) for child in spawned))  # (not
+            # multiprocessing's resource tracker, which the first spawn of a process starts: its CPU counts)
+        finally:
+            plugin.close()
+    result = {"rounds": rounds, "workers": workers, "cpu_s": cpu_s, "load_average": os.getloadavg()[0]}
+    report_start_up(result)
+    return result
+
+
+def report_start_up(result: dict) -> None:
+    cpu = result["cpu_s"]
+    print(f"plugin start-up: {max(result['workers'])} worker process(es) spawned; CPU until ready "
+          f"{statistics.median(cpu):.2f} s (median of {len(cpu)}: {', '.join(f'{c:.2f}' for c in cpu)}); "
+          f"load average {result['load_average']:.1f}", flush=True)
 
 
 def run_config(args, steps: int, every: int, root: str) -> dict:
@@ -280,6 +322,8 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=20, help="steps after (and before) a checkpoint event that "
                         "its local cost counts (at most half the interval)")
     parser.add_argument("--rounds", type=int, default=3, help="pairs (a method, a fit without checkpoints) per method and configuration; medians")
+    parser.add_argument("--start-ups", type=int, default=3, help="fresh plugins whose start-up CPU is measured "
+                        "before the fits (0: none)")
     parser.add_argument("--dir", help="where checkpoints go (default: a temporary directory)")
     parser.add_argument("--out", help="write the rows as JSON here")
     parser.add_argument("--report", metavar="JSON", help="print the tables of a run saved with --out, and run nothing")
@@ -287,6 +331,8 @@ def main() -> None:
     if args.report:
         with open(args.report) as f:
             saved = json.load(f)
+        if saved.get("start_up"):
+            report_start_up(saved["start_up"])
         for result in saved["configs"]:
             result.setdefault("threads", saved["args"].get("threads") or "all")  # runs saved before these were kept
             result.setdefault("cpus", "?")
@@ -298,6 +344,7 @@ def main() -> None:
     root = args.dir or tempfile.mkdtemp(prefix="bench_lightning_")
     configs = [(steps, every) for steps, every in ((args.steps, args.every), (args.long_steps, args.long_every)) if steps]
     results = []
+    start_up = plugin_start_up(args.start_ups) if args.start_ups else None
     try:
         for steps, every in configs:
             results.append(run_config(args, steps, every, root))
@@ -307,7 +354,7 @@ def main() -> None:
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
-            json.dump({"configs": results, "args": vars(args)}, f, indent=1)
+            json.dump({"start_up": start_up, "configs": results, "args": vars(args)}, f, indent=1)
 
 
 if __name__ == "__main__":

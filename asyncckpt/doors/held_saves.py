@@ -1,5 +1,7 @@
 """HeldSaves: saves into named directories, in call order, on one worker, where a save that comes
-while the worker is busy or still starting is copied and held instead of waiting.
+while the worker is busy is copied and held instead of waiting. A first save while it is still
+starting is AsyncCheckpointer's (its hand-off of a private copy, save/first_save.py), or held
+here where that hand-off is not made (`_core_hands_off`).
 
 The trainer never waits for an earlier save's writes: the second save of Lightning's checkpoint
 event (ModelCheckpoint with `save_last=True` saves twice) returns once copied. The held copy's
@@ -80,12 +82,13 @@ class HeldSaves:
             saver.take_folder_of(target)  # another job's folder fails this call, not a held copy's save later
             while True:
                 self._advance(blocking=False)
-                if not self.held and saver.in_flight_dir is None and saver.worker_ready:
+                idle = not self.held and saver.in_flight_dir is None
+                if idle and (saver.worker_ready or _core_hands_off(self.config, flat)):
                     saver.schedule_save(flat, checkpoint_dir=target)
                     break
                 if self._may_hold(saver) and self._hold(flat, target):
                     break
-                if not self.held and saver.in_flight_dir is None:  # no copy possible (e.g. GPU tensors)
+                if idle:  # no copy possible (e.g. no room in /dev/shm)
                     saver.schedule_save(flat, checkpoint_dir=target)  # waits for the worker's start
                     break
                 self._advance(blocking=True)  # the save in flight commits; the next held one goes in
@@ -127,7 +130,8 @@ class HeldSaves:
 
     def _may_hold(self, saver: AsyncCheckpointer) -> bool:
         """Whether one more save may be held: the saves outstanding stay within max_in_flight,
-        except that a first save never waits for the worker's start."""
+        except that a first save never waits for the worker's start (where the core's hand-off is
+        not made: `_core_hands_off`)."""
         outstanding = len(self.held) + (saver.in_flight_dir is not None)
         return outstanding < self.max_in_flight or (outstanding == 0 and not saver.worker_ready)
 
@@ -243,6 +247,17 @@ class HeldSaves:
                 self._stop.wait(COMMIT_POLL_S)
             else:
                 self._wake.wait(1.0)
+
+
+def _core_hands_off(config: CheckpointConfig, flat: dict) -> bool:
+    """Whether AsyncCheckpointer.schedule_save hands a first save of `flat` to a worker still
+    starting from a private copy (save/first_save.py: the trainer's tensors go to the worker
+    then too, so the next save sends none): the one mechanism for every entry point. It copies
+    CPU tensors only, and not with the memory tier (its staged save must be in the tier's file
+    when the call returns); such a first save is held here instead (a host copy, handed over once
+    the worker is up), so that it need not wait for the worker's start-up either."""
+    on_a_device = any(isinstance(value, torch.Tensor) and value.device.type != "cpu" for value in flat.values())
+    return not on_a_device and not config.memory_tier
 
 
 @dataclass

@@ -54,7 +54,6 @@ from ..loading.safe_reader import read_metadata
 from ..layout import METADATA_FILE
 from ..save.ranks import collective_timeout_s
 from ..report import SaveReport
-from ..save.private_copy import private_copy
 from ..storage import check_writable_without_writing, storage_for
 
 log = logging.getLogger(__name__)
@@ -269,11 +268,9 @@ class _Door:
         self.folder: Optional[str] = None  # where the first save or load was: it keys the memory tier
         self.cond = threading.Condition()  # the lock every use of the checkpointer holds
         self.pending: Optional[tuple[Future, str]] = None  # the save in flight: its future and path
-        self.deferred: Optional[tuple[dict, str]] = None  # a first save's private copy, not scheduled yet
         self.outcomes: collections.deque[_Outcome] = collections.deque()  # finished, not yet delivered
         self.closing = False
         self.last_report: Optional[SaveReport] = None
-        self.saves = 0
         self.thread = threading.Thread(target=self._run, name="asyncckpt-commit", daemon=True)
         self.thread.start()
 
@@ -290,6 +287,9 @@ class _Door:
             return self._ckpt
 
     def save(self, state: dict[str, Any], path: str) -> Future:
+        """Schedule the save of `state` into `path` and return its future. A first save that finds
+        the worker still starting returns once this process holds a private copy (the core's
+        hand-off, save/first_save.py), as a direct AsyncCheckpointer's does."""
         future: Future = Future()
         future.set_running_or_notify_cancel()  # it cannot be cancelled: the save is under way
         with self.cond:
@@ -297,14 +297,9 @@ class _Door:
                 raise CheckpointError("asyncckpt.torch_dcp is shutting down")
             self._finish_pending()  # save k's verdict goes to save k's future, not to this call
             self.folder = self.folder or os.path.dirname(path)
-            copy = private_copy(state) if self.saves == 0 else None
-            if copy is not None:  # the rest of this save (the worker's start included) is the commit thread's
-                if self.group is None:  # under a group, a bad path must fail every rank alike: in schedule_save's agreement
-                    check_writable_without_writing(path)
-                self.deferred = (copy, path)
-            else:
-                self.ckpt.schedule_save(state, checkpoint_dir=path)
-            self.saves += 1
+            if self.group is None:  # a bad path fails before its folder is taken (under a group: every rank
+                check_writable_without_writing(path)  # alike, in schedule_save's agreement)
+            self.ckpt.schedule_save(state, checkpoint_dir=path)
             self.pending = (future, path)
             self.cond.notify_all()
         return future
@@ -340,9 +335,6 @@ class _Door:
         (future, path), self.pending = self.pending, None
         outcome = _Outcome(future)
         try:
-            if self.deferred is not None:  # the first save: scheduled here, off the caller's thread
-                (copy, _), self.deferred = self.deferred, None
-                self.ckpt.schedule_save(copy, checkpoint_dir=path, wait=False)
             reports = self.ckpt.finalize(blocking=True)
             if reports:
                 self.last_report = reports[-1]

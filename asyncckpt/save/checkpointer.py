@@ -25,7 +25,7 @@ from ..storage import is_remote, storage_for
 from ..storage.requests import COUNTER
 from . import at_exit
 from .commit import CommitMemory, RankOutcome, SaveTarget, finish_save
-from .first_save import hand_off_if_starting
+from .first_save import hand_off_if_starting, may_hand_off
 from .guard import GuardHandles, guard_calls
 from .incremental import Continuation
 from .inflight import InFlightSave
@@ -188,9 +188,10 @@ class AsyncCheckpointer:
             memory=self._memory.next_save(planned, step, memory_only) if self._memory is not None else None,
         )
         try:
-            snapshot = take_snapshot(planned)
+            hand_off = wait and self._memory is None and may_hand_off(self._worker, cache_slot)
+            snapshot = take_snapshot(planned, keep_old_pages=hand_off)  # (the pages moved tensors leave: the copy)
             self._warnings.about(snapshot)
-            if wait and self._memory is None:  # a worker still starting gets a private copy, off this thread
+            if hand_off:  # a worker still starting gets a private copy, off this thread
                 flight.hand_off = hand_off_if_starting(self._worker, flight, snapshot, bases, cache_slot)
             if flight.hand_off is None:
                 self._worker.ensure_alive()
@@ -370,11 +371,8 @@ class AsyncCheckpointer:
             self.root, flight.step, flight.name, flight.step_dir, flight.metadata, flight.file_tag, flight.owns_dir,
             flight.replaces, memory and memory.token, bool(memory and memory.memory_only),
         )
-        storage = storage_for(flight.step_dir)
-        verdict = finish_save(
-            self._group, storage, target, flight.outcome, self.config.fsync, self.config.keep_last, self._janitor,
-            self._commit_memory,
-        )
+        verdict = finish_save(self._group, storage_for(flight.step_dir), target, flight.outcome, self.config.fsync,
+                              self.config.keep_last, self._janitor, self._commit_memory)
         self._in_flight = None
         if not verdict.committed:
             raise CheckpointError(f"{flight.label} not committed: {verdict.error}")

@@ -3,13 +3,16 @@
 A worker's start-up (an interpreter importing torch: about a second) has no earlier save to hide
 behind on the first save. So when a save finds its worker not ready, the trainer does its part as
 always (planning, moving its own CPU tensors into shared memory once, in place: what every later
-save relies on), copies the tensors into ordinary memory and returns. A background thread moves
-that copy into shared memory, waits for the worker, sends it the save of the copy, then hands it
-the trainer's own tensors to keep, as `prepare` does, so the second save sends nothing.
+save relies on) and returns with a private copy: the pages its tensors left when they moved,
+which hold the values of the call (no copy made; where torch cannot swap a storage's pages, or a
+storage did not move, those tensors are copied into ordinary memory). A background thread packs
+that copy into one shared-memory segment, waits for the worker, sends it the save of the copy,
+then hands it the trainer's own tensors to keep, as `prepare` does, so the second save sends nothing.
 
-Cost: one more copy of the state, in ordinary memory from the call, in shared memory from the
-hand-off until the worker has written that first save (it lets the copy go when it takes the
-trainer's own tensors). Each rank decides alone: nothing here is a collective.
+Cost: one more copy of the state: in ordinary memory from the call (the pages the move would
+have freed), in shared memory from the hand-off until the worker has written that first save (it
+lets the copy go when it takes the trainer's own tensors). Each rank decides alone: nothing here
+is a collective.
 """
 
 from __future__ import annotations
@@ -24,10 +27,7 @@ import torch
 from .inflight import InFlightSave
 from ..protocol import IncrementalBase
 from .rank_worker import RankWorker
-from .sharing import (
-    SHARE_THREADS, SHM_HEADROOM_BYTES, available_memory_bytes, move_into_shared_memory, shareable_tensor, shm_bytes,
-    shm_free_bytes,
-)
+from .sharing import SHARE_THREADS, SHM_HEADROOM_BYTES, available_memory_bytes, shm_bytes, shm_free_bytes
 from .snapshot import Snapshot
 
 ALIGN = 64  # bytes: where each tensor's copy starts in the copy's one buffer
@@ -44,7 +44,8 @@ class HandOff:
         self.worker, self.flight = worker, flight
         self.bound_s = worker.config.worker_start_timeout_s + 3 * worker.config.timeout_s + EXTRA_BOUND_S
         flight.to_starting_worker = True  # its bounds include the worker's start-up
-        self._thread = threading.Thread(target=self._run, args=(copy, own, bases, slot),
+        self._copy: Optional[Snapshot] = copy  # the thread takes it (its memory goes as it is packed)
+        self._thread = threading.Thread(target=self._run, args=(own, bases, slot),
                                         name="asyncckpt-first-save", daemon=True)
         self._thread.start()
 
@@ -58,9 +59,9 @@ class HandOff:
             return True
         return not self._thread.is_alive()
 
-    def _run(self, copy: Snapshot, own: Snapshot, bases: tuple[IncrementalBase, ...], slot: int) -> None:
+    def _run(self, own: Snapshot, bases: tuple[IncrementalBase, ...], slot: int) -> None:
         try:
-            copy = _shared(copy)
+            copy, self._copy = _shared(self._copy), None
             self.worker.ensure_alive()  # a worker that died meanwhile is replaced here, off the trainer's path
             self.worker.send(self.flight, copy, bases, slot)
             self.worker.prepare(own, slot)  # taken after the copy's save: the copy is let go then
@@ -75,42 +76,75 @@ def hand_off_if_starting(worker: RankWorker, flight: InFlightSave, snapshot: Sna
                          bases: tuple[IncrementalBase, ...], slot: int) -> Optional[HandOff]:
     """Hand the save over in the background from a private copy, if `private_snapshot` takes one."""
     copy = private_snapshot(snapshot, worker, slot)
+    snapshot.old_pages.clear()  # the copy holds what it needs of them; the others go now
     return None if copy is None else HandOff(worker, flight, copy, snapshot, bases, slot)
 
 
+def may_hand_off(worker: RankWorker, slot: int) -> bool:
+    """Whether a save in `slot` now would be handed over from a private copy (if its tensors allow:
+    `private_snapshot`): its worker is still starting and would be sent every tensor. Asked before
+    the snapshot, so that moving the trainer's tensors into shared memory keeps their old pages."""
+    return not worker.ready and worker.holds_nothing_in(slot)
+
+
 def private_snapshot(snapshot: Snapshot, worker: RankWorker, slot: int) -> Optional[Snapshot]:
-    """A copy of `snapshot`'s tensors in ordinary memory, when its worker is still starting and
-    would be sent every tensor (nothing prepared), and a copy is cheap and safe: CPU tensors only,
-    room in /dev/shm for the copy at hand-off, and at least twice its size in available memory
-    (asked before copying anything). None otherwise:
-    the save waits for the worker instead. The copies are views of one buffer: one shared-memory
-    segment, so the copy costs no open files beyond one (a state of many tensors needs one each)."""
-    if worker.ready or not worker.holds_nothing_in(slot) or snapshot.cuda_devices:
+    """A private copy of `snapshot`'s tensors, when `may_hand_off` and a copy is cheap and safe:
+    CPU tensors only, room in /dev/shm for the copy at hand-off, and at least twice what must be
+    copied in available memory (asked before copying anything). None otherwise: the save waits for
+    the worker instead. A tensor whose storage moved into shared memory for this save is copied for
+    nothing: its view of the storage's old pages (`Snapshot.old_pages`), which hold the values of
+    the call. The others are copied into one ordinary buffer."""
+    if not may_hand_off(worker, slot) or snapshot.cuda_devices:
         return None
-    offsets, total = [], 0
-    for tensor in snapshot.tensors:
-        offsets.append(total)
-        if tensor is not None:
-            total += -(-tensor.numel() * tensor.element_size() // ALIGN) * ALIGN
+    old = [None if t is None else snapshot.old_pages.get(t.untyped_storage().data_ptr()) for t in snapshot.tensors]
+    offsets, total = _packed([t if pages is None else None for t, pages in zip(snapshot.tensors, old)])
     free, available = shm_free_bytes(), available_memory_bytes()
-    if free is not None and shm_bytes(total) + SHM_HEADROOM_BYTES > free:
+    if free is not None and shm_bytes(_packed(snapshot.tensors)[1]) + SHM_HEADROOM_BYTES > free:
         return None
     if available is not None and 2 * total > available:  # no copy that would push the job towards swap or OOM
         return None
     buffer = torch.empty(total, dtype=torch.uint8)
-    copies = [None if t is None else buffer[o:o + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
-              for t, o in zip(snapshot.tensors, offsets)]
-    pairs = sorted(((c, t) for c, t in zip(copies, snapshot.tensors) if t is not None), key=lambda p: -p[0].nbytes)
+    copies, pairs = [], []
+    for tensor, pages, offset in zip(snapshot.tensors, old, offsets):
+        if tensor is None:
+            copies.append(None)
+        elif pages is not None:  # the same view, of the old pages
+            view = torch.empty(0, dtype=tensor.dtype)
+            copies.append(view.set_(pages, tensor.storage_offset(), tensor.shape, tensor.stride()))
+        else:
+            copies.append(_view(buffer, offset, tensor))
+            pairs.append((copies[-1], tensor))
     # largest first on a few threads: most of the time is the kernel faulting fresh pages in, which
     # runs in parallel (measured, 1 GiB: median 0.39 s on 4 threads, 0.60 s in one loop of copy_)
     with ThreadPoolExecutor(SHARE_THREADS, thread_name_prefix="asyncckpt-copy") as pool:
-        list(pool.map(lambda pair: pair[0].copy_(pair[1]), pairs))
-    return dataclasses.replace(snapshot, tensors=copies, fingerprints=[None] * len(copies), always_fresh=frozenset())
+        list(pool.map(lambda pair: pair[0].copy_(pair[1]), sorted(pairs, key=lambda pair: -pair[0].nbytes)))
+    return dataclasses.replace(snapshot, tensors=copies, fingerprints=[None] * len(copies),
+                               always_fresh=frozenset(), old_pages={})
 
 
 def _shared(copy: Snapshot) -> Snapshot:
-    """The copy with its buffer moved into shared memory (in place), where the worker can reach it."""
-    move_into_shared_memory((t, False) for t in copy.tensors if t is not None)
-    tensors = [None if t is None else shareable_tensor(t, False, spec.index.fqn)[0]
-               for t, spec in zip(copy.tensors, copy.items)]
-    return dataclasses.replace(copy, tensors=tensors)
+    """The copy packed into one shared-memory segment, where the worker can reach it: one
+    descriptor however many tensors. Each tensor of the copy is let go once packed (the memory
+    it was in goes with the last one in it), so the copy is not held twice."""
+    offsets, total = _packed(copy.tensors)
+    buffer = torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(max(total, 1)))
+    packed, unpacked = [], copy.tensors  # the copy is this thread's alone
+    for pos, offset in enumerate(offsets):
+        tensor, unpacked[pos] = unpacked[pos], None
+        packed.append(None if tensor is None else _view(buffer, offset, tensor).copy_(tensor))
+    return dataclasses.replace(copy, tensors=packed)
+
+
+def _packed(tensors: list[Optional[torch.Tensor]]) -> tuple[list[int], int]:
+    """Where each tensor starts in one buffer holding them all (None: takes no room), and its size."""
+    offsets, total = [], 0
+    for tensor in tensors:
+        offsets.append(total)
+        if tensor is not None:
+            total += -(-tensor.numel() * tensor.element_size() // ALIGN) * ALIGN
+    return offsets, total
+
+
+def _view(buffer: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor shaped and typed like `like`, in `buffer` from `offset`."""
+    return buffer[offset:offset + like.numel() * like.element_size()].view(like.dtype).view(like.shape)

@@ -1,12 +1,11 @@
-"""A private copy of a state dict, so a save need not wait for its worker (still starting, or
-busy with an earlier save).
+"""A private copy of a state dict, taken again and again into the same memory, so a save need not
+wait for its worker while it is busy with an earlier save (the Lightning plugin's held saves).
 
-A first save has nothing before it to hide the worker's start-up (an interpreter importing
-torch: seconds). With a copy nobody else holds, the caller returns once the copy is taken, and
-the rest of the save (the worker's start, the move of the copy into shared memory, planning,
-the hand-off) runs on a background thread of the door that made the copy. The copy lands in
-ordinary memory, as DCP's own staging copy does: copying into shared memory directly costs 2-3x
-more on the caller's thread (tmpfs pages are allocated, zeroed and faulted in one at a time).
+A first save to a worker still starting is AsyncCheckpointer's own hand-off (first_save.py), for
+every entry point; the plugin holds a copy of this kind then only where that hand-off is not made
+(CUDA tensors, the memory tier). The copy lands in ordinary memory, as DCP's own staging copy does:
+copying into shared memory directly costs 2-3x more on the caller's thread (tmpfs pages are
+allocated, zeroed and faulted in one at a time).
 """
 
 from __future__ import annotations
@@ -23,28 +22,24 @@ from .subclasses import local_tensor
 _COPYABLE = (torch.Tensor, torch.nn.Parameter, DTensor)
 
 
-def private_copy(state: Any) -> Optional[Any]:
-    """A copy of `state` (tensors copied, containers rebuilt, other objects deep-copied: the save
-    pickles them later, and they must keep the values they had at the call), or None where a copy
-    is not cheap and safe: a tensor off the CPU (it would double device memory), pinned, or a
-    subclass other than DTensor (e.g. ShardedTensor) that a copy might not preserve, or an object
-    that cannot be deep-copied."""
-    return HeldCopy().take(state)
-
-
 class HeldCopy:
-    """A private copy that is taken again and again into the same memory: each `take` copies a
-    tensor into the one it copied the same path into last time when shape and dtype match. Once
-    a save has moved that memory into shared memory, a later take copies at memcpy speed (no page
-    is allocated or faulted in again) and the worker, which holds those tensors, is sent none.
-    A copy must not be taken again before the save of the previous one is staged."""
+    """A private copy of a state (tensors copied, containers rebuilt, other objects deep-copied: the
+    save pickles them later, and they must keep the values they had at the call), taken again and
+    again into the same memory: each `take` copies a tensor into the one it copied the same path
+    into last time when shape and dtype match. Once a save has moved that memory into shared
+    memory, a later take copies at memcpy speed (no page is allocated or faulted in again) and the
+    worker, which holds those tensors, is sent none. A copy must not be taken again before the save
+    of the previous one is staged."""
 
     def __init__(self, device_to_host: bool = False) -> None:
         self.device_to_host = device_to_host  # copy tensors on a device (GPU) into host memory too
         self._tensors: dict[tuple, torch.Tensor] = {}  # path -> the plain tensor copied into last time
 
     def take(self, state: Any) -> Optional[Any]:
-        """A copy of `state` as `private_copy` describes it, in this copy's memory where it fits."""
+        """A copy of `state` in this copy's memory where it fits, or None where a copy is not cheap
+        and safe: a tensor off the CPU (unless `device_to_host`), pinned, or a subclass other than
+        DTensor (e.g. ShardedTensor) that a copy might not preserve, or an object that cannot be
+        deep-copied."""
         if not _copyable(state, self.device_to_host):
             return None
         used: dict[tuple, torch.Tensor] = {}

@@ -143,11 +143,15 @@ def check_shm_space(needed: int, free: Optional[int] = None, path: str = SHM_DIR
 SHARE_THREADS = 4
 
 
-def move_into_shared_memory(resolved) -> None:
+def move_into_shared_memory(resolved, keep_old_pages: bool = False) -> dict[int, torch.UntypedStorage]:
     """Move the storages of these (tensor, fresh) pairs that can move in place into shared
     memory, each storage once, largest first, on a few threads (most of the time is the kernel
     allocating and zeroing tmpfs pages, which runs in parallel). One that fails is left as it
-    was: `shareable_tensor` then copies it or names the entry in its error."""
+    was: `shareable_tensor` then copies it or names the entry in its error. `keep_old_pages`:
+    each moved storage's old pages, which hold its values as of now, are kept instead of freed and
+    returned by its new data pointer (a first save's private copy without copying; nothing is kept
+    where torch has no storage swap, or with less than twice their size in available memory)."""
+    kept: dict[int, torch.UntypedStorage] = {}
     storages = {}
     for tensor, fresh in resolved:
         if tensor.is_cuda or fresh:
@@ -156,17 +160,31 @@ def move_into_shared_memory(resolved) -> None:
         if not storage.is_shared() and storage.resizable():
             storages.setdefault(storage.data_ptr(), storage)
     if not storages:
-        return
+        return kept
+    available = available_memory_bytes() if keep_old_pages else None
+    swap = keep_old_pages and hasattr(torch.UntypedStorage, "_swap_data_ptr_") and (
+        available is None or 2 * sum(storage.nbytes() for storage in storages.values()) <= available)
 
     def move(storage) -> None:
         try:
-            storage.share_memory_()
+            if not swap:
+                storage.share_memory_()
+                return
+            shared = torch.UntypedStorage._new_shared(storage.nbytes())  # as share_memory_ makes it
+            _bytes_of(shared).copy_(_bytes_of(storage))  # (a tensor copy: the GIL is released)
+            storage._swap_data_ptr_(shared)  # the storage has the shared pages now, `shared` the old ones
+            kept[storage.data_ptr()] = shared
         except RuntimeError:
             pass
 
     largest_first = sorted(storages.values(), key=lambda storage: -storage.nbytes())
     with ThreadPoolExecutor(min(SHARE_THREADS, len(largest_first)), thread_name_prefix="asyncckpt-share") as pool:
         list(pool.map(move, largest_first))
+    return kept
+
+
+def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8).set_(storage)
 
 
 def shareable_tensor(tensor: torch.Tensor, fresh: bool, fqn: str) -> tuple[torch.Tensor, bool]:

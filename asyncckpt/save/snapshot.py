@@ -10,7 +10,7 @@ tells when the user reallocated a tensor, so the worker never reads an old handl
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -36,9 +36,12 @@ class Snapshot:
     always_fresh: frozenset[int]
     objects: dict[int, bytes]
     cuda_devices: tuple[int, ...]  # the CUDA devices its tensors are on (each one's work must finish first)
+    old_pages: dict[int, torch.UntypedStorage] = field(default_factory=dict)  # keep_old_pages: see take_snapshot
 
 
-def take_snapshot(planned: PlannedSave) -> Snapshot:
+def take_snapshot(planned: PlannedSave, keep_old_pages: bool = False) -> Snapshot:
+    """`keep_old_pages`: the storages moved into shared memory now keep their old pages, with the
+    values of this call, in `old_pages` by their new data pointer (first_save.py's private copy)."""
     items, tensors, fingerprints, objects = [], [], [], {}
     always_fresh, cuda_devices = set(), set()
     resolved: dict[int, tuple[torch.Tensor, bool]] = {}
@@ -53,7 +56,7 @@ def take_snapshot(planned: PlannedSave) -> Snapshot:
     sharing = shared_memory_needed(resolved.values())
     check_shm_space(sharing.nbytes)  # a full /dev/shm is a SIGBUS, not an error
     ensure_fd_room(sharing.segments)  # each shared storage holds a descriptor
-    move_into_shared_memory(resolved.values())
+    old_pages = move_into_shared_memory(resolved.values(), keep_old_pages)
     for pos, item in enumerate(planned.plan.items):
         if not is_tensor_item(item):
             objects[pos] = _pickled_object(planned, item)
@@ -77,6 +80,7 @@ def take_snapshot(planned: PlannedSave) -> Snapshot:
         frozenset(always_fresh),
         objects,
         tuple(sorted(cuda_devices)),
+        old_pages,
     )
 
 

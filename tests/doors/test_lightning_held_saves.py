@@ -177,6 +177,42 @@ def test_the_first_saves_do_not_wait_for_the_workers_to_start(tmp_path):
         plugin.close()
 
 
+def test_the_first_event_hands_the_trainers_tensors_over_so_the_next_event_sends_only_what_is_new(tmp_path):
+    """The first event's top-k save, while the worker is still starting (stopped here), is the
+    core's hand-off (save/first_save.py), as for every entry point: it returns once copied and
+    gives the worker the trainer's own tensors too, so the next event's top-k save sends only its
+    new score, not the model (it sent every tensor when the plugin held the first save's copy)."""
+    reports = []
+    plugin = AsyncCheckpointIO(CheckpointConfig(io_workers=1, on_commit=reports.append))
+    model = {"w": torch.arange(4096.0), "layers": [torch.zeros(256), torch.ones(512)]}
+    workers = _workers(plugin)
+    for worker in workers:
+        worker.suspend()
+    try:
+        if plugin._saves.saver.worker_ready:
+            pytest.skip("the worker finished starting before it could be stopped")
+        expected = _clone(model)
+        event = {"state_dict": model, "callbacks": {"best": {"e0.ckpt": torch.tensor(0.0)}}}
+        plugin.save_checkpoint(event, str(tmp_path / "epoch=0.ckpt"))
+        plugin.save_checkpoint(event, str(tmp_path / "last.ckpt"))
+        for tensor in [model["w"], *model["layers"]]:
+            tensor.add_(1.0)
+    finally:
+        for worker in workers:
+            worker.resume()
+    try:
+        plugin.wait()
+        event = {"state_dict": model, "callbacks": {"best": {"e1.ckpt": torch.tensor(1.0)}}}
+        plugin.save_checkpoint(event, str(tmp_path / "epoch=1.ckpt"))
+        plugin.wait()
+        assert_exactly_equal(plugin.load_checkpoint(str(tmp_path / "epoch=0.ckpt"))["state_dict"], expected)
+        assert_exactly_equal(plugin.load_checkpoint(str(tmp_path / "last.ckpt"))["state_dict"], expected)
+        assert_exactly_equal(plugin.load_checkpoint(str(tmp_path / "epoch=1.ckpt"))["state_dict"], model)
+    finally:
+        plugin.close()
+    assert [r.tensors_sent for r in reports] == [4, 4, 1], reports
+
+
 class LoadThroughLastAfterFirstEvent(L.Callback):
     """At the step after the first checkpoint event: what last.ckpt is, then the workers resumed
     and the checkpoint loaded through it."""

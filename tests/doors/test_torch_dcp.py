@@ -28,7 +28,6 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 import asyncckpt
 from asyncckpt import CheckpointConfig, CheckpointError, torch_dcp
-from asyncckpt.save import client
 from asyncckpt.save.job_lock import FolderLocks
 from asyncckpt.layout import LOCK_FILE
 from multirank import run_ranks
@@ -98,10 +97,11 @@ def test_futures_complete_in_call_order_with_metadata_and_steady_state_sends_no_
         assert int(got["counter"]["value"]) == step
 
 
-def test_the_first_call_does_not_wait_for_the_worker_to_start(tmp_path):
+def test_the_first_call_does_not_wait_for_the_worker_to_start_and_the_second_sends_nothing(tmp_path):
     """The first call has nothing before it to hide the worker's start-up: it returns once its
     copy is taken, even while the worker cannot run at all (stopped here), and the values saved
-    are those of the call."""
+    are those of the call. The copy is the core's hand-off (save/first_save.py), which gives the
+    worker the caller's own tensors too: the second call sends none."""
     door = torch_dcp._door_for(None, False, True)  # the door the call will use, worker spawned
     os.kill(door.ckpt.worker_pid, signal.SIGSTOP)
     try:
@@ -117,47 +117,21 @@ def test_the_first_call_does_not_wait_for_the_worker_to_start(tmp_path):
     dcp.load(target, checkpoint_id=str(tmp_path / "first"), no_dist=True)
     assert torch.equal(target["w"], torch.arange(4096.0)) and torch.equal(target["nested"][0], torch.ones(3))
     assert target["nested"][1]["step"] == 1
-
-
-def test_the_first_call_returns_before_its_worker_is_even_spawned(tmp_path):
-    """The first call pays for its copy only: the worker's spawn (and the move into shared
-    memory, and the hand-off) run on the door's thread. Here no worker can be spawned until the
-    call has returned; the user's tensors are left where they are until the second call."""
-    state = {"w": torch.arange(4096.0), "b": torch.ones(8)}
-    returned = threading.Event()
-    calls: queue.Queue = queue.Queue()
-
-    def first_call() -> None:
-        try:
-            calls.put(asyncckpt.async_save(state, checkpoint_id=str(tmp_path / "first")))
-        except BaseException as exc:
-            calls.put(exc)
-        returned.set()
-
-    with client._spawn_lock:  # every worker spawn takes this lock
-        caller = threading.Thread(target=first_call, daemon=True)
-        caller.start()
-        returned.wait(120)  # a bound against a hang only: on failure, the call waits for the lock
-        assert returned.is_set(), "the first async_save waited for a worker to be spawned"
-        future = calls.get_nowait()
-        state["w"].add_(1.0)
-        assert not future.done() and not state["w"].is_shared()
-    future.result(timeout=60)
-    target = {"w": torch.zeros(4096), "b": torch.zeros(8)}
-    dcp.load(target, checkpoint_id=str(tmp_path / "first"), no_dist=True)
-    assert torch.equal(target["w"], torch.arange(4096.0)) and torch.equal(target["b"], torch.ones(8))
+    asyncckpt.async_save(state, checkpoint_id=str(tmp_path / "second")).result(timeout=60)
+    assert torch_dcp.last_report().tensors_sent == 0, torch_dcp.last_report()
+    dcp.load(target, checkpoint_id=str(tmp_path / "second"), no_dist=True)
+    assert torch.equal(target["w"], torch.arange(4096.0) + 1)
 
 
 def test_a_folder_another_job_saves_into_fails_the_first_save_and_refuses_the_next(tmp_path):
-    """Two jobs' doors saving into one folder: the second job's first save (finished on the
-    door's thread) fails its future naming the holder, its next call raises, nothing is written."""
+    """Two jobs' doors saving into one folder: the second job's first call raises naming the
+    holder, and so does its next, nothing is written."""
     other_job = FolderLocks("other-job")
     other_job.take(str(tmp_path))
     try:
         state = {"w": torch.ones(8)}
-        future = asyncckpt.async_save(state, checkpoint_id=str(tmp_path / "step-1"))
         with pytest.raises(CheckpointError, match=r"step-1'? is in use by another job: job other-job \(host .*, pid "):
-            future.result(timeout=60)
+            asyncckpt.async_save(state, checkpoint_id=str(tmp_path / "step-1"))
         with pytest.raises(CheckpointError, match="step-2'? is in use by another job: job other-job"):
             asyncckpt.async_save(state, checkpoint_id=str(tmp_path / "step-2"))
         assert os.listdir(tmp_path) == [LOCK_FILE]

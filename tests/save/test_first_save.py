@@ -52,6 +52,25 @@ def test_a_save_right_after_the_constructor_holds_the_values_of_its_call_and_the
     assert_step_holds(root, 2, expected2)
 
 
+def test_a_save_right_after_the_constructor_holds_views_of_one_storage_as_of_its_call(tmp_path):
+    """Views of one storage (a slice at an offset, a transposed view, the storage's whole tensor)
+    and a bf16 slice: the private copy a save right after the constructor returns with (the pages
+    the storages left when they moved into shared memory) holds each one's values as of the call,
+    and so does the second save, from the trainer's own tensors."""
+    root = str(tmp_path / "ckpt")
+    base, half = torch.randn(8, 16), torch.randn(40).to(torch.bfloat16)
+    state = {"base": base, "slice": base[3:7], "t": base.t(), "half": half[5:], "step": 1}
+    with AsyncCheckpointer(root) as ckpt:
+        for step in (1, 2):
+            expected = clone_state(state)
+            ckpt.schedule_save(state, step=step)
+            assert ckpt.worker_ready == (step == 2)
+            base.mul_(-2.0).add_(1000.0)  # every view changes
+            half.add_(1.0)
+            ckpt.finalize(blocking=True)
+            assert_step_holds(root, step, expected)
+
+
 def _first_save_on_ranks(rank: int, world: int, root: str) -> None:
     state = make_state(rank)
     with AsyncCheckpointer(root) as ckpt:
@@ -88,9 +107,10 @@ def test_a_worker_that_never_comes_up_fails_the_first_save_at_finalize_and_the_n
 def test_no_private_copy_where_memory_is_short(tmp_path, monkeypatch):
     """A copy that would leave less than its own size of memory available is not taken: the save
     waits for the worker, as before, and still holds the values of its call."""
-    from asyncckpt.save import first_save
+    from asyncckpt.save import first_save, sharing
 
-    monkeypatch.setattr(first_save, "available_memory_bytes", lambda: 64 << 10)  # less than twice the state
+    for module in (first_save, sharing):  # (sharing: the pages the state's move leaves, kept as the copy)
+        monkeypatch.setattr(module, "available_memory_bytes", lambda: 64 << 10)  # less than twice the state
     root = str(tmp_path / "ckpt")
     state = make_state()
     with AsyncCheckpointer(root) as ckpt:
