@@ -3,6 +3,7 @@ tiny model, its data, a fit with ModelCheckpoint, exact comparisons, the plugin'
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import psutil
@@ -81,6 +82,22 @@ def _is_committed_dir(path: str) -> bool:
 
 def _workers(plugin) -> list[psutil.Process]:
     return [psutil.Process(plugin._saves.saver.worker_pid)] if plugin._saves.saver is not None else []
+
+
+@contextlib.contextmanager
+def starting_workers_stopped(plugin):
+    """The plugin's workers, stopped while still starting (the test is skipped if one finished
+    first), resumed on the way out."""
+    workers = _workers(plugin)
+    for worker in workers:
+        worker.suspend()
+    try:
+        if plugin._saves.saver.worker_ready:
+            pytest.skip("the worker finished starting before it could be stopped")
+        yield workers
+    finally:
+        for worker in workers:
+            worker.resume()
 
 
 def _clone(obj):

@@ -18,7 +18,9 @@ from asyncckpt import CheckpointConfig, CheckpointError  # noqa: E402
 from asyncckpt.save.job_lock import FolderLocks
 from asyncckpt.layout import LOCK_FILE
 from asyncckpt.doors.lightning import AsyncCheckpointIO  # noqa: E402
-from lightning_fits import _clone, _fit, _is_committed_dir, _workers, assert_exactly_equal  # noqa: E402
+from lightning_fits import (  # noqa: E402
+    _clone, _fit, _is_committed_dir, _workers, assert_exactly_equal, starting_workers_stopped,
+)
 
 
 def test_one_worker_serves_both_saves_of_an_event_and_a_steady_event_sends_no_tensors(tmp_path):
@@ -145,13 +147,8 @@ def test_the_first_saves_do_not_wait_for_the_workers_to_start(tmp_path):
     yet (stopped here), and keep the values of the call; a removal of one waits for it."""
     state = {"state_dict": {"w": torch.arange(4096.0)}, "epoch": 0}
     plugin = AsyncCheckpointIO()  # spawns its worker now
-    workers = _workers(plugin)
-    for worker in workers:
-        worker.suspend()
     returned = threading.Event()
-    try:
-        if plugin._saves.saver.worker_ready:
-            pytest.skip("the worker finished starting before it could be stopped")
+    with starting_workers_stopped(plugin):
 
         def first_event() -> None:
             plugin.save_checkpoint(state, str(tmp_path / "epoch=0-step=2.ckpt"))
@@ -164,9 +161,6 @@ def test_the_first_saves_do_not_wait_for_the_workers_to_start(tmp_path):
         assert returned.is_set(), "save_checkpoint waited for a worker that had not started"
         state["state_dict"]["w"].add_(1.0)
         state["epoch"] = 1
-    finally:
-        for worker in workers:
-            worker.resume()
     try:
         plugin.remove_checkpoint(str(tmp_path / "epoch=0-step=2.ckpt"))
         loaded = plugin.load_checkpoint(str(tmp_path / "last.ckpt"))
@@ -185,21 +179,13 @@ def test_the_first_event_hands_the_trainers_tensors_over_so_the_next_event_sends
     reports = []
     plugin = AsyncCheckpointIO(CheckpointConfig(io_workers=1, on_commit=reports.append))
     model = {"w": torch.arange(4096.0), "layers": [torch.zeros(256), torch.ones(512)]}
-    workers = _workers(plugin)
-    for worker in workers:
-        worker.suspend()
-    try:
-        if plugin._saves.saver.worker_ready:
-            pytest.skip("the worker finished starting before it could be stopped")
+    with starting_workers_stopped(plugin):
         expected = _clone(model)
         event = {"state_dict": model, "callbacks": {"best": {"e0.ckpt": torch.tensor(0.0)}}}
         plugin.save_checkpoint(event, str(tmp_path / "epoch=0.ckpt"))
         plugin.save_checkpoint(event, str(tmp_path / "last.ckpt"))
         for tensor in [model["w"], *model["layers"]]:
             tensor.add_(1.0)
-    finally:
-        for worker in workers:
-            worker.resume()
     try:
         plugin.wait()
         event = {"state_dict": model, "callbacks": {"best": {"e1.ckpt": torch.tensor(1.0)}}}
@@ -240,17 +226,9 @@ def test_save_last_link_names_the_newest_checkpoint_and_loads_it_once_committed(
     dirpath = str(tmp_path / "run")
     last = os.path.join(dirpath, "last.ckpt")
     plugin = AsyncCheckpointIO()  # spawns its worker now
-    workers = _workers(plugin)
-    for worker in workers:
-        worker.suspend()
-    try:
-        if plugin._saves.saver.worker_ready:
-            pytest.skip("the worker finished starting before it could be stopped")
+    with starting_workers_stopped(plugin) as workers:
         probe = LoadThroughLastAfterFirstEvent(plugin, workers, last)
         model, trainer, _ = _fit(dirpath, 6, plugin, save_last="link", callbacks=[probe])
-    finally:
-        for worker in workers:
-            worker.resume()
     try:
         assert probe.seen == ("epoch=0-step=2.ckpt", False)  # linked while its save was held
         assert probe.loaded["global_step"] == 2
