@@ -188,7 +188,8 @@ class AsyncCheckpointer:
             memory=self._memory.next_save(planned, step, memory_only) if self._memory is not None else None,
         )
         try:
-            hand_off = wait and self._memory is None and may_hand_off(self._worker, cache_slot)
+            bounded = self._memory is not None or self.config.staging_budget_bytes is not None  # no extra copy then
+            hand_off = wait and not bounded and may_hand_off(self._worker, cache_slot)
             snapshot = take_snapshot(planned, keep_old_pages=hand_off)  # (the pages moved tensors leave: the copy)
             self._warnings.about(snapshot)
             if hand_off:  # a worker still starting gets a private copy, off this thread

@@ -104,6 +104,21 @@ def test_a_worker_that_never_comes_up_fails_the_first_save_at_finalize_and_the_n
     assert not (tmp_path / "ckpt" / "step_00000001" / ".metadata").exists()
 
 
+def test_no_private_copy_under_a_staging_budget(tmp_path):
+    """With staging_budget_bytes the user bounds the memory a save takes: a first save to a worker
+    still starting waits for it rather than holding a copy of the state, and holds its call's values."""
+    root = str(tmp_path / "ckpt")
+    state = make_state()
+    with AsyncCheckpointer(root, CheckpointConfig(staging_budget_bytes=1 << 20)) as ckpt:
+        expected = clone_state(state)
+        ckpt.schedule_save(state, step=1)
+        assert ckpt.worker_ready  # the call waited for the worker's start-up (and staged into it)
+        with torch.no_grad():
+            state["model"]["w"].add_(1000.0)
+        ckpt.finalize(blocking=True)
+    assert_step_holds(root, 1, expected)
+
+
 def test_no_private_copy_where_memory_is_short(tmp_path, monkeypatch):
     """A copy that would leave less than its own size of memory available is not taken: the save
     waits for the worker, as before, and still holds the values of its call."""
