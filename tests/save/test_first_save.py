@@ -104,35 +104,31 @@ def test_a_worker_that_never_comes_up_fails_the_first_save_at_finalize_and_the_n
     assert not (tmp_path / "ckpt" / "step_00000001" / ".metadata").exists()
 
 
-def test_no_private_copy_under_a_staging_budget(tmp_path):
-    """With staging_budget_bytes the user bounds the memory a save takes: a first save to a worker
-    still starting waits for it rather than holding a copy of the state, and holds its call's values."""
-    root = str(tmp_path / "ckpt")
+def _first_save_waits_for_its_worker(root: str, config: CheckpointConfig) -> None:
+    """The first save right after the constructor takes no private copy: the call waits for the
+    worker's start-up (and stages into it), and the checkpoint holds the values of the call."""
     state = make_state()
-    with AsyncCheckpointer(root, CheckpointConfig(staging_budget_bytes=1 << 20)) as ckpt:
+    with AsyncCheckpointer(root, config) as ckpt:
         expected = clone_state(state)
         ckpt.schedule_save(state, step=1)
-        assert ckpt.worker_ready  # the call waited for the worker's start-up (and staged into it)
+        assert ckpt.worker_ready
         with torch.no_grad():
             state["model"]["w"].add_(1000.0)
         ckpt.finalize(blocking=True)
     assert_step_holds(root, 1, expected)
+
+
+def test_no_private_copy_under_a_staging_budget(tmp_path):
+    """With staging_budget_bytes the user bounds the memory a save takes: a first save to a worker
+    still starting waits for it rather than holding a copy of the state."""
+    _first_save_waits_for_its_worker(str(tmp_path / "ckpt"), CheckpointConfig(staging_budget_bytes=1 << 20))
 
 
 def test_no_private_copy_where_memory_is_short(tmp_path, monkeypatch):
     """A copy that would leave less than its own size of memory available is not taken: the save
-    waits for the worker, as before, and still holds the values of its call."""
+    waits for the worker, as before."""
     from asyncckpt.save import first_save, sharing
 
     for module in (first_save, sharing):  # (sharing: the pages the state's move leaves, kept as the copy)
         monkeypatch.setattr(module, "available_memory_bytes", lambda: 64 << 10)  # less than twice the state
-    root = str(tmp_path / "ckpt")
-    state = make_state()
-    with AsyncCheckpointer(root) as ckpt:
-        expected = clone_state(state)
-        ckpt.schedule_save(state, step=1)
-        assert ckpt.worker_ready  # the call waited for the worker's start-up (and staged into it)
-        with torch.no_grad():
-            state["model"]["w"].add_(1000.0)
-        ckpt.finalize(blocking=True)
-    assert_step_holds(root, 1, expected)
+    _first_save_waits_for_its_worker(str(tmp_path / "ckpt"), CheckpointConfig())
