@@ -30,6 +30,7 @@ import torch
 
 from ..save import at_exit
 from ..save.checkpointer import AsyncCheckpointer
+from ..save.first_save import copies_allowed
 from ..config import CheckpointConfig
 from ..errors import CheckpointError
 from ..save.private_copy import HeldCopy
@@ -253,11 +254,11 @@ def _core_hands_off(config: CheckpointConfig, flat: dict) -> bool:
     """Whether AsyncCheckpointer.schedule_save hands a first save of `flat` to a worker still
     starting from a private copy (save/first_save.py: the trainer's tensors go to the worker
     then too, so the next save sends none): the one mechanism for every entry point. It copies
-    CPU tensors only, and not with the memory tier (its staged save must be in the tier's file
-    when the call returns); such a first save is held here instead (a host copy, handed over once
-    the worker is up), so that it need not wait for the worker's start-up either."""
+    CPU tensors only, and not where `copies_allowed` says no (the memory tier, a staging budget);
+    other first saves are held here instead (a host copy, handed over once the worker is up), so
+    that they need not wait for the worker's start-up either."""
     on_a_device = any(isinstance(value, torch.Tensor) and value.device.type != "cpu" for value in flat.values())
-    return not on_a_device and not config.memory_tier
+    return not on_a_device and copies_allowed(config)
 
 
 @dataclass

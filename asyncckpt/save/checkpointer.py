@@ -25,7 +25,7 @@ from ..storage import is_remote, storage_for
 from ..storage.requests import COUNTER
 from . import at_exit
 from .commit import CommitMemory, RankOutcome, SaveTarget, finish_save
-from .first_save import hand_off_if_starting, may_hand_off
+from .first_save import copies_allowed, hand_off_if_starting, may_hand_off
 from .guard import GuardHandles, guard_calls
 from .incremental import Continuation
 from .inflight import InFlightSave
@@ -188,8 +188,7 @@ class AsyncCheckpointer:
             memory=self._memory.next_save(planned, step, memory_only) if self._memory is not None else None,
         )
         try:
-            bounded = self._memory is not None or self.config.staging_budget_bytes is not None  # no extra copy then
-            hand_off = wait and not bounded and may_hand_off(self._worker, cache_slot)
+            hand_off = wait and copies_allowed(self.config) and may_hand_off(self._worker, cache_slot)
             snapshot = take_snapshot(planned, keep_old_pages=hand_off)  # (the pages moved tensors leave: the copy)
             self._warnings.about(snapshot)
             if hand_off:  # a worker still starting gets a private copy, off this thread

@@ -160,7 +160,7 @@ def _publish_part(storage: Storage, target: SaveTarget, rank: int, items, fsync:
     checksums = _checksums(items)
     if not checksums:
         return None
-    folder = items[0].relative_path.rpartition("/")[0]  # a rank's files share one folder
+    folder = items[0].relative_path.rpartition("/")[0]  # beside its (first) data file
     name = checksums_part_file(rank, target.file_tag, folder)
     data = encode_checksums(checksums, None)
     storage.write_atomic(storage.join(target.step_dir, name), data, fsync=fsync)

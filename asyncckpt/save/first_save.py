@@ -24,6 +24,7 @@ from typing import Optional
 
 import torch
 
+from ..config import CheckpointConfig
 from .inflight import InFlightSave
 from ..protocol import IncrementalBase
 from .rank_worker import RankWorker
@@ -78,6 +79,13 @@ def hand_off_if_starting(worker: RankWorker, flight: InFlightSave, snapshot: Sna
     copy = private_snapshot(snapshot, worker, slot)
     snapshot.old_pages.clear()  # the copy holds what it needs of them; the others go now
     return None if copy is None else HandOff(worker, flight, copy, snapshot, bases, slot)
+
+
+def copies_allowed(config: CheckpointConfig) -> bool:
+    """Whether a first save may be handed over from a private copy at all: not with the memory tier
+    (its staged save must be in the tier's file when the call returns), nor under a staging budget
+    (it bounds what a save holds: the save waits for the worker instead). The doors ask this too."""
+    return not config.memory_tier and config.staging_budget_bytes is None
 
 
 def may_hand_off(worker: RankWorker, slot: int) -> bool:
