@@ -141,15 +141,18 @@ def rank_share(storage: Storage, target: SaveTarget, outcome: RankOutcome, fsync
     if target.memory_only:
         return RankShare(outcome.rank), None
     written = outcome.written
-    entries = encode_entries(written.items)
+    try:  # any failure here must reach every rank through the verdict, not stop this one before the gather
+        entries = encode_entries(written.items)
+    except Exception as exc:
+        return RankShare(outcome.rank, error=f"could not encode its .metadata entries: {exc!r}"), None
     try:
         part = _publish_part(storage, target, outcome.rank, written.items, fsync) if own_part else None
-    except OSError as exc:
+    except Exception as exc:  # an object store's last failure need not be an OSError
         return RankShare(outcome.rank, error=f"could not publish its checksums in {target.step_dir}: {exc!r}"), None
     try:
         if fsync:
             _sync_data_folders(storage, target, written.items)
-    except OSError as exc:
+    except Exception as exc:
         return RankShare(outcome.rank, error=f"could not sync its data folder in {target.step_dir}: {exc!r}"), None
     sent = None if entries == memory.own_entries else entries
     share = RankShare(outcome.rank, None, sent, zlib.crc32(entries), part, written.bytes_written, written.bytes_linked)
