@@ -28,8 +28,9 @@ from dataclasses import asdict
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from scalesim.measure import measure  # noqa: E402
-from scalesim.report import exponents, extrapolate, plot, table  # noqa: E402
+from scalesim.report import exponents, extrapolate, plot, table, write_table  # noqa: E402
 from scalesim.shapes import LLAMA_7B, LLAMA_70B, TINY, JobShape  # noqa: E402
+from scalesim.write_cost import write_cost  # noqa: E402
 
 SHAPES = {s.name: s for s in (JobShape(LLAMA_7B, "fsdp"), JobShape(LLAMA_70B, "fsdp"),
                               JobShape(LLAMA_70B, "fsdp_tp", tp=8), JobShape(LLAMA_7B, "ddp"))}
@@ -50,6 +51,9 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=None, help="write the rows, the extrapolation and the fits as JSON here")
     parser.add_argument("--plot", default=None, help="write the log-log plot here (needs matplotlib)")
     parser.add_argument("--workdir", default=None, help="where the simulated commits write (default: a temp dir)")
+    parser.add_argument("--write-gib", type=float, default=2.0,
+                        help="also time writing a .metadata this large, as a steady commit does and through the "
+                             "page cache (0: skip)")
     args = parser.parse_args(argv)
     names = [s.strip() for s in args.shapes.split(",") if s.strip()]
     unknown = [n for n in names if n not in SHAPES]
@@ -68,15 +72,26 @@ def main(argv=None) -> int:
                     for row, with_peak in zip(measured, traced):
                         row.peak_mib = with_peak.peak_mib
                 rows += measured
+        costs = []
+        if args.write_gib > 0:
+            print(f"[{time.perf_counter() - started:6.0f}s] writing a {args.write_gib:g} GiB .metadata", file=sys.stderr,
+                  flush=True)
+            costs = write_cost(workdir, args.write_gib)
     beyond = extrapolate(rows, targets)
     print(table(rows))
     if beyond:
         print("\nExtrapolated (least-squares line over the measured rank counts):")
         print(table(beyond, extrapolated=True))
+    if costs:
+        print(f"\n.metadata written durably at {costs[0].gib:.1f} GiB (median of 3, this disk), and what that makes "
+              "a steady commit at the largest target:")
+        print(write_table(costs, beyond))
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
             json.dump({"rows": [asdict(r) for r in rows], "extrapolated": beyond, "growth_exponents": exponents(rows),
+                       "metadata_write_cost": [dict(asdict(c), cpu_s_per_gib=c.cpu_s_per_gib,
+                                                    wall_s_per_gib=c.wall_s_per_gib) for c in costs],
                        "seconds": time.perf_counter() - started}, f, indent=1)
     if args.plot:
         plot(rows, targets, args.plot)

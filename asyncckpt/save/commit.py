@@ -11,7 +11,8 @@ committed, even if making it durable then failed (logged as an ERROR).
 
 `.metadata` is assembled from bytes (metadata_bytes.py): the plan's head, pickled once, and each
 rank's entries, encoded by that rank and sent only when they changed since its last committed
-save, so a steady save's coordinator concatenates what it kept (docs/benchmark.md, "Scale").
+save, so a steady save's coordinator writes again the image it kept, with a new tail
+(docs/benchmark.md, "Scale").
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import os
 import time
 import uuid
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 from torch.distributed.checkpoint.metadata import Metadata
@@ -29,7 +30,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from ..formats import ChecksumsPart, ItemChecksum, crc32c, encode_checksums
 from ..layout import LATEST_FILE, METADATA_FILE, checksums_part_file, sidecar_file
 from ..protocol import WriteDone
-from .metadata_bytes import MetadataHead, assemble, encode_entries, encode_head
+from .metadata_bytes import MetadataImage, build_image, encode_entries, encode_head
 from .ranks import RankGroup
 from .retention import Janitor, Tidy, discard_uncommitted
 from ..storage import Storage
@@ -99,11 +100,11 @@ class RankShare:
 @dataclass
 class CommitMemory:
     """What the next commit reuses, kept from committed saves: on every rank its own encoded
-    entries; on the coordinator the encoded head of the plan and every rank's entries."""
+    entries; on the coordinator the image of its last `.metadata` (the plan's head, every rank's
+    entries)."""
 
-    head: Optional[MetadataHead] = None
     own_entries: Optional[bytes] = None
-    entries: dict[int, tuple[int, bytes]] = field(default_factory=dict)  # rank -> (crc, entries)
+    image: Optional[MetadataImage] = None
 
 
 def finish_save(
@@ -203,15 +204,12 @@ def _decide(storage: Storage, target: SaveTarget, own: RankOutcome, shares: list
         return Decision(Verdict(True))
     started = time.perf_counter()
     try:
-        entries = _entries_of(shares, memory)
-        if memory.head is None or memory.head.plan is not target.metadata:
-            memory.head = encode_head(target.metadata, DCP_VERSION)
+        image = _image_of(target.metadata, shares, memory.image)
         parts = [s.checksums for s in shares if s.checksums is not None]
-        save_id = commit_checkpoint(storage, target, memory.head, [e for _, e in entries],
-                                    _checksums(own.written.items), parts, fsync)
+        save_id = commit_checkpoint(storage, target, image, _checksums(own.written.items), parts, fsync)
     except Exception as exc:  # any failure here must reach every rank through the verdict
         return _failed(storage, target, f"{what}: commit failed in {target.step_dir}: {exc!r}", len(shares) > 1)
-    memory.entries = dict(enumerate(entries))
+    memory.image = image
     if target.name is not None:
         try:
             move_latest(storage, target.root, target.name, fsync)
@@ -225,18 +223,24 @@ def _decide(storage: Storage, target: SaveTarget, own: RankOutcome, shares: list
     return Decision(Verdict(True, None, total, time.perf_counter() - started, written_now, save_id), tidy)
 
 
-def _entries_of(shares: list[RankShare], memory: CommitMemory) -> list[tuple[int, bytes]]:
-    """Every rank's (crc, entries): sent, or kept from its last committed save."""
-    entries = []
+def _image_of(plan: Metadata, shares: list[RankShare], kept: Optional[MetadataImage]) -> MetadataImage:
+    """The `.metadata` image of this save: the kept one while the plan and every rank's entries
+    are those of the last committed save (a steady save), else one built from the entries sent
+    and those kept."""
+    head = kept.head if kept is not None and kept.head.plan is plan else encode_head(plan, DCP_VERSION)
+    entries: dict[int, tuple[int, bytes | memoryview]] = {}
     for share in shares:
         if share.entries is not None:
-            entries.append((share.entries_crc, share.entries))
+            entries[share.rank] = (share.entries_crc, share.entries)
             continue
-        kept = memory.entries.get(share.rank)
-        if kept is None or kept[0] != share.entries_crc:  # the ranks' memories disagree: a bug, never a bad file
+        known = kept.ranks.get(share.rank) if kept is not None else None
+        if known is None or known.crc != share.entries_crc:  # the ranks' memories disagree: a bug, never a bad file
             raise RuntimeError(f"rank {share.rank} sent no .metadata entries and the coordinator keeps none that match")
-        entries.append(kept)
-    return entries
+        entries[share.rank] = (share.entries_crc, kept.entries(share.rank))
+    if head is getattr(kept, "head", None) and entries.keys() == kept.ranks.keys() and \
+            all(share.entries is None for share in shares):
+        return kept
+    return build_image(head, entries)
 
 
 def _failed(storage: Storage, target: SaveTarget, error: str, ranks_wait: bool) -> Decision:
@@ -252,7 +256,7 @@ def _failed(storage: Storage, target: SaveTarget, error: str, ranks_wait: bool) 
 
 
 def commit_checkpoint(
-    storage: Storage, target: SaveTarget, head: MetadataHead, entries: list[bytes], checksums: list[ItemChecksum],
+    storage: Storage, target: SaveTarget, image: MetadataImage, checksums: list[ItemChecksum],
     parts: list[ChecksumsPart], fsync: bool,
 ) -> str:
     """Write the sidecar and `.metadata` for a save whose data files (and checksums parts) are all
@@ -269,13 +273,13 @@ def commit_checkpoint(
         storage.write_atomic(sidecar, encode_checksums(checksums, save_id, parts), fsync=fsync)
     elif not target.file_tag:  # nothing is committed here: a leftover sidecar would describe other files
         storage.remove_file(sidecar)
-    metadata_path, pieces = storage.join(step_dir, METADATA_FILE), assemble(head, step_dir, save_id, entries)
+    metadata_path, metadata = storage.join(step_dir, METADATA_FILE), image.with_tail(step_dir, save_id)
     try:
         if fsync:
             storage.sync_dir(step_dir)  # every data file's entry is durable before the commit (ranks sync their folders)
-        storage.write_atomic(metadata_path, pieces, fsync=fsync)
+        storage.write_atomic(metadata_path, metadata, fsync=fsync)
     except Exception as exc:
-        if not _holds(storage, metadata_path, b"".join(pieces)):
+        if not _holds(storage, metadata_path, metadata.view()):
             if target.file_tag:  # our sidecar beside the checkpoint that stays committed
                 _remove_quietly(storage, sidecar)
             raise
@@ -291,7 +295,7 @@ def commit_checkpoint(
     return save_id
 
 
-def _holds(storage: Storage, path: str, payload: bytes) -> bool:
+def _holds(storage: Storage, path: str, payload: memoryview) -> bool:
     """Whether the file at `path` is exactly `payload` (each save's `.metadata` is unique: save_id)."""
     try:
         return storage.exists(path) and storage.read_bytes(path) == payload

@@ -14,6 +14,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+from .page_buffer import PageBuffer
+
 
 class WriteHandle(ABC):
     """A data file being written. Its bytes count only after `commit()`; `abort()` removes it."""
@@ -75,9 +77,10 @@ class Storage(ABC):
         for anything the backend shares between files (upload memory)."""
 
     @abstractmethod
-    def write_atomic(self, path: str, data: bytes | Sequence[bytes], fsync: bool = True) -> None:
+    def write_atomic(self, path: str, data: bytes | Sequence[bytes] | PageBuffer, fsync: bool = True) -> None:
         """Publish a file whole or not at all: readers see the old state or the new bytes (`data`,
-        or its pieces in order: a local file is written without joining them first)."""
+        or its pieces in order: a local file is written without joining them first; a
+        `PageBuffer` with O_DIRECT where the file system takes it)."""
 
     @abstractmethod
     def read_bytes(self, path: str, offset: int = 0, length: Optional[int] = None) -> bytes:

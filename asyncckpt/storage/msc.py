@@ -18,6 +18,7 @@ from typing import Any, Optional, Sequence
 
 from ..errors import CheckpointError
 from .base import OpenUpload, Storage, Versioned, WriteHandle, unique_suffix
+from .page_buffer import PageBuffer
 from .requests import count_requests_of
 from .retries import with_retries
 from .upload_memory import SINGLE_PUT_MEMORY_BYTES, MemoryBudget
@@ -130,7 +131,9 @@ class MscStorage(Storage):
             return 1
         return 2 + -(-nbytes // _part_size(client))
 
-    def write_atomic(self, path: str, data: bytes | Sequence[bytes], fsync: bool = True) -> None:
+    def write_atomic(self, path: str, data: bytes | Sequence[bytes] | PageBuffer, fsync: bool = True) -> None:
+        if isinstance(data, PageBuffer):
+            data = data.view()
         whole = bytes(data) if isinstance(data, (bytes, bytearray, memoryview)) else b"".join(data)
         self._call("write", path, lambda client, key: client.write(key, whole))
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from .measure import ScaleRow
+from .write_cost import GiB, WriteCost
 
 KiB, MiB = 1 << 10, 1 << 20
 # (field, heading, scale, format): the table's columns after shape, ranks and method
@@ -113,6 +114,28 @@ def table(rows: list, extrapolated: bool = False) -> str:
     widths = [max(len(str(c)) for c in col) for col in zip(head, *body)]
     lines = ["  ".join(str(c).rjust(w) if i > 2 else str(c).ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
              for cells in [head, ["-" * w for w in widths], *body]]
+    return "\n".join(lines)
+
+
+def write_table(costs: list[WriteCost], beyond: list[dict]) -> str:
+    """The measured write costs per GiB; then, for asyncckpt at the largest extrapolated rank
+    count, its `.metadata` written both ways, and the steady commit: the fitted coordination (the
+    steady line without its own small file's write) plus the image's write at that size."""
+    lines = [f"{'method':8}  {'CPU s/GiB':>9}  {'wall s/GiB':>10}"]
+    lines += [f"{c.method:8}  {c.cpu_s_per_gib:9.3f}  {c.wall_s_per_gib:10.2f}" for c in costs]
+    by_method = {c.method: c for c in costs}
+    largest = max((r["ranks"] for r in beyond), default=None)
+    for r in beyond:
+        if r["ranks"] != largest or r["method"] != "asyncckpt" or "metadata_bytes" not in r:
+            continue
+        gib = r["metadata_bytes"] / GiB
+        image, pieces = by_method["image"], by_method["pieces"]
+        coordination = max(0.0, r.get("steady_s", 0.0) - r.get("metadata_write_s", 0.0))
+        lines.append(f"{r['shape']} at ~{largest} ranks: .metadata {gib:.2f} GiB, written in "
+                     f"{image.cpu_s_per_gib * gib:.2f} s CPU / {image.wall_s_per_gib * gib:.1f} s wall (image) vs "
+                     f"{pieces.cpu_s_per_gib * gib:.2f} s CPU / {pieces.wall_s_per_gib * gib:.1f} s wall (pieces); "
+                     f"steady commit ~{coordination + image.cpu_s_per_gib * gib:.2f} s CPU "
+                     f"(coordination {coordination:.2f} + write)")
     return "\n".join(lines)
 
 

@@ -4,8 +4,10 @@ is the same `Metadata` a plain pickle gives, readable by every unpickler stock D
 from __future__ import annotations
 
 import io
+import os
 import pickle
 import pickletools
+import sys
 
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -13,9 +15,15 @@ from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata, ChunkStorageMetadata, Metadata, StorageMeta, TensorProperties, TensorStorageMetadata,
 )
 
+from conftest import REPO
+
+from asyncckpt.layout import step_dir_name
 from asyncckpt.loading.safety import load_metadata
-from asyncckpt.protocol import ItemIndex, ItemWritten
-from asyncckpt.save.metadata_bytes import assemble, encode_entries, encode_head
+from asyncckpt.protocol import ItemIndex, ItemWritten, WriteDone
+from asyncckpt.save.commit import CommitMemory, RankOutcome, SaveTarget, finish_save, rank_share
+from asyncckpt.save.retention import Janitor
+from asyncckpt.storage import storage_for
+from asyncckpt.save.metadata_bytes import build_image, encode_entries, encode_head
 
 RANKS, TENSORS = 3, 40
 
@@ -53,10 +61,14 @@ def _classic(plan: Metadata, step_dir: str, save_id: str) -> Metadata:
                     StorageMeta(checkpoint_id=step_dir, save_id=save_id), "1.0.0")
 
 
+def _assembled(plan: Metadata, step_dir: str, save_id: str, entries: dict[int, bytes]) -> bytes:
+    image = build_image(encode_head(plan, "1.0.0"), {rank: (0, e) for rank, e in entries.items()})
+    return bytes(image.with_tail(step_dir, save_id).view())
+
+
 def test_assembled_metadata_equals_a_plain_pickle_and_every_unpickler_reads_it():
     plan, step_dir, save_id = _plan(), "/ckpt/step_00000002", "a" * 32
-    entries = [encode_entries(_rank_items(rank)) for rank in range(RANKS)]
-    data = b"".join(assemble(encode_head(plan, "1.0.0"), step_dir, save_id, entries))
+    data = _assembled(plan, step_dir, save_id, {rank: encode_entries(_rank_items(rank)) for rank in range(RANKS)})
     expected = _classic(plan, step_dir, save_id)
 
     assert pickle.loads(data) == expected  # the C unpickler (stock dcp.load)
@@ -70,7 +82,7 @@ def test_assembled_metadata_equals_a_plain_pickle_and_every_unpickler_reads_it()
 def test_a_head_with_payloads_outside_frames_still_assembles():
     """The C pickler writes large strings and bytes between frames; the head keeps them."""
     plan = _plan(planner_data={"blob": b"x" * 200_000, "text": "y" * 100_000})
-    data = b"".join(assemble(encode_head(plan, "1.0.0"), "/d", "b" * 32, [encode_entries(_rank_items(0))]))
+    data = _assembled(plan, "/d", "b" * 32, {0: encode_entries(_rank_items(0))})
     loaded = pickle._Unpickler(io.BytesIO(data)).load()
     assert loaded.planner_data == plan.planner_data
     assert len(loaded.storage_data) == TENSORS + 1
@@ -81,3 +93,65 @@ def test_entries_encode_the_same_bytes_for_the_same_layout():
     assert encode_entries(_rank_items(1)) == encode_entries(_rank_items(1))
     moved = [ItemWritten(w.index, w.relative_path, w.offset + 1, w.length) for w in _rank_items(1)]
     assert encode_entries(moved) != encode_entries(_rank_items(1))
+
+
+def _without_checksums(items: list[ItemWritten]) -> list[ItemWritten]:
+    return [ItemWritten(w.index, w.relative_path, w.offset, w.length) for w in items]
+
+
+def test_a_steady_commit_writes_the_kept_image_again_with_its_own_tail(tmp_path):
+    """Three ranks commit four saves through the real commit (`finish_save`; the collectives
+    simulated): a first save, a steady one (no rank sends entries, the coordinator writes the
+    image it kept), one where a rank's item moved (that rank alone sends), and one where a rank
+    claims entries the coordinator never committed: that save fails and leaves no `.metadata`.
+    Every committed `.metadata` is exactly the plain pickle of its own save, and writing a later
+    one into the kept buffer never changes an earlier file."""
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    from scalesim.wire import SimulatedGroup
+
+    plan, root = _plan(), str(tmp_path / "ckpt")
+    storage, group, janitor = storage_for(root), SimulatedGroup(RANKS), Janitor()
+    coordinator_memory, rank_memories = CommitMemory(), {r: CommitMemory() for r in range(1, RANKS)}
+    moved = [ItemWritten(w.index, w.relative_path, w.offset + 8, w.length) for w in _rank_items(1)]
+
+    def save(step: int, items: dict[int, list[ItemWritten]]):
+        step_dir = storage.join(root, step_dir_name(step))
+        storage.prepare_dir(step_dir)
+        target = SaveTarget(root, step, step_dir_name(step), step_dir, plan)
+        outcomes = {r: RankOutcome(r, WriteDone(step, tuple(_without_checksums(items[r])), 1, 0.0)) for r in items}
+        shares = {r: rank_share(storage, target, outcomes[r], False, rank_memories[r], own_part=True)
+                  for r in range(1, RANKS)}
+        group.inbox = [pickle.dumps(shares[r][0]) for r in range(1, RANKS)]
+        verdict = finish_save(group, storage, target, outcomes[0], False, None, janitor, coordinator_memory)
+        for r, (_, entries) in shares.items():  # what finish_save does on each rank with the verdict
+            rank_memories[r].own_entries = entries if verdict.committed else None
+        return verdict, step_dir, [shares[r][0].entries is not None for r in range(1, RANKS)]
+
+    def expected(step_dir: str, save_id: str, items: dict[int, list[ItemWritten]]) -> Metadata:
+        storage_data = {w.index.to_dcp(): _StorageInfo(w.relative_path, w.offset, w.length)
+                        for r in range(RANKS) for w in items[r]}
+        return Metadata(plan.state_dict_metadata, plan.planner_data, storage_data,
+                        StorageMeta(checkpoint_id=step_dir, save_id=save_id), "1.0.0")
+
+    layout = {r: _rank_items(r) for r in range(RANKS)}
+    committed, images = [], []
+    for step, items, senders in ((1, layout, [True, True]), (2, layout, [False, False]),
+                                 (3, {**layout, 1: moved}, [True, False])):
+        verdict, step_dir, sent = save(step, items)
+        assert verdict.committed, verdict.error
+        assert sent == senders, step
+        images.append(coordinator_memory.image)
+        with open(os.path.join(step_dir, ".metadata"), "rb") as f:
+            data = f.read()
+        assert pickle.loads(data) == expected(step_dir, verdict.save_id, items), step
+        committed.append((step_dir, data))
+    assert images[1] is images[0] and images[2] is not images[0]  # kept while steady, rebuilt when an item moved
+    for step_dir, data in committed:  # later saves wrote into the kept buffer, never into these files
+        with open(os.path.join(step_dir, ".metadata"), "rb") as f:
+            assert f.read() == data
+
+    rank_memories[2].own_entries = encode_entries(moved)  # rank 2 believes a layout was committed that was not
+    verdict, step_dir, _ = save(4, {**layout, 1: moved, 2: moved})
+    janitor.close(10.0)
+    assert not verdict.committed and "rank 2 sent no .metadata entries" in verdict.error
+    assert not os.path.exists(os.path.join(step_dir, ".metadata"))
