@@ -180,7 +180,7 @@ class AsyncCheckpointer:
             file_tag = new_file_tag()  # file; and after the commit, files a torn save left there are removed
         planned = self._planning.build(local, self._group) if changed else self._planning.reuse(local)
         flight = InFlightSave(
-            0, step, name, step_dir, planned.metadata, started, 0, planned.reused_plan,
+            0, step, name, step_dir, planned.entries_plan, started, 0, planned.reused_plan,
             backpressure_s=backpressure_s, collectives_before=collectives_before, file_tag=file_tag,
             label=label, owns_dir=owns_dir, replaces=bool(overwrite_any),
             base_dirs=tuple(base.checkpoint_dir for base in bases), requests_before=requests_before,
@@ -368,7 +368,7 @@ class AsyncCheckpointer:
             flight.outcome = RankOutcome(self.rank, error="unfinished when another rank's finalize stopped waiting")
         memory = flight.memory
         target = SaveTarget(
-            self.root, flight.step, flight.name, flight.step_dir, flight.metadata, flight.file_tag, flight.owns_dir,
+            self.root, flight.step, flight.name, flight.step_dir, flight.entries_plan, flight.file_tag, flight.owns_dir,
             flight.replaces, memory and memory.token, bool(memory and memory.memory_only),
         )
         verdict = finish_save(self._group, storage_for(flight.step_dir), target, flight.outcome, self.config.fsync,

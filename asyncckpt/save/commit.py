@@ -25,20 +25,16 @@ import zlib
 from dataclasses import dataclass
 from typing import Optional
 
-from torch.distributed.checkpoint.metadata import Metadata
 
 from ..formats import ChecksumsPart, ItemChecksum, crc32c, encode_checksums
 from ..layout import LATEST_FILE, METADATA_FILE, checksums_part_file, sidecar_file
 from ..protocol import WriteDone
-from .metadata_bytes import MetadataImage, build_image, encode_entries, encode_head
+from .metadata_bytes import EntriesPlan, MetadataHead, MetadataImage, build_image, encode_entries
 from .ranks import RankGroup
 from .retention import Janitor, Tidy, discard_uncommitted
 from ..storage import Storage
 
 log = logging.getLogger(__name__)
-
-DCP_VERSION = "1.0.0"
-
 
 @dataclass(frozen=True)
 class RankOutcome:
@@ -67,7 +63,7 @@ class SaveTarget:
     step: Optional[int]
     name: Optional[str]  # step directory name in `root`; None: a directory the caller named (no latest, no retention)
     step_dir: str
-    metadata: Optional[Metadata]  # the global metadata; the coordinator's is the one used
+    entries_plan: Optional[EntriesPlan]  # how its `.metadata` is put together (the coordinator's holds the head)
     file_tag: str = ""  # set when the save replaces a committed checkpoint of the same step, or links files (incremental)
     owns_dir: bool = True  # the save created the directory: a failed save removes it whole
     replaces: bool = False  # (agreed by every rank) a committed checkpoint was in the directory: its files go after ours commits
@@ -92,6 +88,7 @@ class RankShare:
     error: Optional[str] = None
     entries: Optional[bytes] = None  # its `.metadata` entries (metadata_bytes); None: as in its last committed save
     entries_crc: int = 0  # of its entries, sent or not: the coordinator checks what it kept
+    head_crc: int = 0  # of the head its entries refer to: the coordinator checks it is the one it writes
     checksums: Optional[ChecksumsPart] = None  # its checksums part (several ranks)
     bytes_written: int = 0
     bytes_linked: int = 0
@@ -143,7 +140,8 @@ def rank_share(storage: Storage, target: SaveTarget, outcome: RankOutcome, fsync
         return RankShare(outcome.rank), None
     written = outcome.written
     try:  # any failure here must reach every rank through the verdict, not stop this one before the gather
-        entries = encode_entries(written.items)
+        refs = target.entries_plan.refs
+        entries = encode_entries(written.items, refs)
     except Exception as exc:
         return RankShare(outcome.rank, error=f"could not encode its .metadata entries: {exc!r}"), None
     try:
@@ -156,7 +154,8 @@ def rank_share(storage: Storage, target: SaveTarget, outcome: RankOutcome, fsync
     except Exception as exc:
         return RankShare(outcome.rank, error=f"could not sync its data folder in {target.step_dir}: {exc!r}"), None
     sent = None if entries == memory.own_entries else entries
-    share = RankShare(outcome.rank, None, sent, zlib.crc32(entries), part, written.bytes_written, written.bytes_linked)
+    share = RankShare(outcome.rank, None, sent, zlib.crc32(entries), refs.head_crc, part, written.bytes_written,
+                      written.bytes_linked)
     return share, entries
 
 
@@ -204,7 +203,7 @@ def _decide(storage: Storage, target: SaveTarget, own: RankOutcome, shares: list
         return Decision(Verdict(True))
     started = time.perf_counter()
     try:
-        image = _image_of(target.metadata, shares, memory.image)
+        image = _image_of(target.entries_plan.head, shares, memory.image)
         parts = [s.checksums for s in shares if s.checksums is not None]
         save_id = commit_checkpoint(storage, target, image, _checksums(own.written.items), parts, fsync)
     except Exception as exc:  # any failure here must reach every rank through the verdict
@@ -223,13 +222,14 @@ def _decide(storage: Storage, target: SaveTarget, own: RankOutcome, shares: list
     return Decision(Verdict(True, None, total, time.perf_counter() - started, written_now, save_id), tidy)
 
 
-def _image_of(plan: Metadata, shares: list[RankShare], kept: Optional[MetadataImage]) -> MetadataImage:
+def _image_of(head: MetadataHead, shares: list[RankShare], kept: Optional[MetadataImage]) -> MetadataImage:
     """The `.metadata` image of this save: the kept one while the plan and every rank's entries
     are those of the last committed save (a steady save), else one built from the entries sent
     and those kept."""
-    head = kept.head if kept is not None and kept.head.plan is plan else encode_head(plan, DCP_VERSION)
     entries: dict[int, tuple[int, bytes | memoryview]] = {}
     for share in shares:
+        if share.head_crc != head.crc:  # its fqns would name other tensors: a bug, never a bad file
+            raise RuntimeError(f"rank {share.rank} encoded its .metadata entries for another plan")
         if share.entries is not None:
             entries[share.rank] = (share.entries_crc, share.entries)
             continue
@@ -237,7 +237,7 @@ def _image_of(plan: Metadata, shares: list[RankShare], kept: Optional[MetadataIm
         if known is None or known.crc != share.entries_crc:  # the ranks' memories disagree: a bug, never a bad file
             raise RuntimeError(f"rank {share.rank} sent no .metadata entries and the coordinator keeps none that match")
         entries[share.rank] = (share.entries_crc, kept.entries(share.rank))
-    if head is getattr(kept, "head", None) and entries.keys() == kept.ranks.keys() and \
+    if kept is not None and head is kept.head and entries.keys() == kept.ranks.keys() and \
             all(share.entries is None for share in shares):
         return kept
     return build_image(head, entries)

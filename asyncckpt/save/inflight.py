@@ -6,9 +6,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from torch.distributed.checkpoint.metadata import Metadata
-
 from .commit import RankOutcome, Verdict
+from .metadata_bytes import EntriesPlan
 from ..protocol import MemorySave, Staged
 from ..report import SaveReport
 from ..storage.requests import COUNTER, RETRIES
@@ -20,7 +19,7 @@ class InFlightSave:
     step: Optional[int]  # None: a save into a directory the caller named, without a step label
     name: Optional[str]  # the step directory's name; None when the caller named the directory
     step_dir: str
-    metadata: Metadata
+    entries_plan: EntriesPlan  # how its `.metadata` is put together (planning.PlannedSave)
     started: float
     tensors_sent: int
     plan_reused: bool

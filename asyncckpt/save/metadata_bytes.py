@@ -8,27 +8,33 @@ not at all, and each rank's entries (file, offset, length) only when an item's s
 
 So the file is written as one valid pickle stream made of pieces:
 
-    PROTO 4 | shared | POP | head | GET storage_data | rank 0's entries | ... | POP | storage_meta BUILD | STOP
+    PROTO 4 | prologue | POP | head | GET storage_data | rank 0's entries | ... | POP | storage_meta BUILD | STOP
 
-- *shared*: the classes and field names every entry uses, memoised at the same small indices in
-  every process (`_shared_indices`), so each rank can encode its entries on its own;
+- *prologue*: a list of what the pieces refer to, so each has a known memo index: first the
+  classes and field names every entry uses (the same small indices in every process,
+  `_shared_indices`), then the empty `storage_data`, every fqn of the plan, and `NAME_SLOTS`
+  placeholder strings whose indices the ranks reuse for their file names;
 - *head*: the global plan's `Metadata` with an empty `storage_data` and no `storage_meta`,
-  pickled once per plan (by the coordinator) and kept;
-- *tail*: this save's `storage_meta` (checkpoint id, save id), set on the `Metadata` (BUILD), so
-  everything before it is the same bytes for every save of one layout;
+  pickled once per plan by the coordinator at planning; every rank gets the memo indices of its
+  fqns and of the name slots with its final plan (`HeadRefs`, with the head's CRC);
 - *entries*: each rank's `storage_data` items, encoded by that rank (`encode_entries`) without
-  memo writes of their own (pickle's fast mode) except its file names, which it puts (BINPUT) at
-  indices just after *shared*; the pieces therefore never depend on one another's memo.
+  memo writes of their own (pickle's fast mode) except its file names, which it puts (BINPUT)
+  into the name slots first; each fqn is a GET of the head's (so written once per file, not once
+  per rank: ~35 % smaller than DCP's file); the pieces never depend on one another's memo;
+- *tail*: this save's `storage_meta` (checkpoint id, save id), set on the `Metadata` (BUILD), so
+  everything before it is the same bytes for every save of one layout.
 
-A rank's entries are reused only while its file names stay the same: an incremental save or a
-re-save of a committed step names its files with a fresh tag, so its ranks send their entries.
+The coordinator refuses entries encoded for another head (their CRC of it differs): a GET would
+name another tensor. A rank's entries are reused only while its file names stay the same: an
+incremental save or a re-save of a committed step names its files with a fresh tag, so its ranks
+send their entries.
 
 A rank whose entries equal those of its last committed save sends nothing new, and the coordinator
 reuses what it kept: the image of the last committed `.metadata` but its tail (`MetadataImage`,
 in page-aligned memory), so a steady save puts a new tail after it and writes it, with O_DIRECT on
-a local file system (storage/page_buffer.py): no byte of it passes through the CPU again. The result is an ordinary protocol-4 pickle
-(checked with the C and the pure-Python unpicklers and `pickletools` in the tests), smaller than
-DCP's because entries carry no memo writes.
+a local file system (storage/page_buffer.py): no byte of it passes through the CPU again. The
+result is an ordinary protocol-4 pickle (checked with the C and the pure-Python unpicklers,
+`pickletools` and stock `dcp.load` in the tests).
 """
 
 from __future__ import annotations
@@ -39,12 +45,14 @@ import io
 import pickle
 import pickletools
 import struct
+import zlib
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Optional
 
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan
 
 from ..protocol import ItemWritten
 from ..storage.page_buffer import PageBuffer
@@ -59,45 +67,106 @@ _SHARED = (MetadataIndex, _StorageInfo, torch.Size, "fqn", "offset", "index", "r
 _UNFRAMED_PAYLOADS = {ord("B"): 4, ord("X"): 4, 0x8D: 8, 0x8E: 8, 0x96: 8}
 
 
+DCP_VERSION = "1.0.0"
+NAME_SLOTS = 64  # file names a rank's piece refers to by memo (beyond: written out in every entry)
+
+
 @dataclass(frozen=True)
 class MetadataHead:
     """The parts of `.metadata` that a plan fixes, pickled once per plan."""
 
     plan: Metadata  # the global metadata these bytes encode (kept: its identity is the cache key)
-    data: bytes  # PROTO, shared, POP, head (no STOP)
+    data: bytes  # PROTO, prologue, POP, head (no STOP)
     storage_data_index: int  # memo index of the (empty) storage_data dict
+    fqn_indices: dict[str, int]  # memo index of every fqn of the plan
+    name_slots: tuple[int, ...]  # memo indices each rank's piece puts its file names at
+    crc: int  # of `data`: which head a rank's entries refer to
 
 
-def encode_head(plan: Metadata, version: str) -> MetadataHead:
+@dataclass(frozen=True)
+class HeadRefs:
+    """What a rank encodes its entries with, sent with its final plan: the head's memo index of
+    each fqn it writes (in `plan_fqns` order; -1: not in the head, written out) and of the slots
+    for its file names, and the head's CRC, which its share carries back to the commit."""
+
+    head_crc: int
+    name_slots: tuple[int, ...]
+    indices: tuple[int, ...]
+
+    def bind(self, plan: SavePlan) -> "EntryRefs":
+        """These references for the plan they were made for."""
+        fqns = plan_fqns(plan)
+        if len(fqns) != len(self.indices):
+            raise ValueError(f"{len(self.indices)} fqn references sent for a plan of {len(fqns)} fqns")
+        return EntryRefs(self.head_crc, self.name_slots,
+                         {fqn: index for fqn, index in zip(fqns, self.indices) if index >= 0})
+
+
+@dataclass(frozen=True)
+class EntryRefs:
+    """`HeadRefs` bound to a rank's plan: the memo index of each of its fqns."""
+
+    head_crc: int
+    name_slots: tuple[int, ...]
+    fqn_indices: dict[str, int]
+
+
+@dataclass(frozen=True)
+class EntriesPlan:
+    """How a save's `.metadata` is put together, as the plan fixed it: every rank encodes its
+    entries with `refs`; the coordinator joins them to `head`."""
+
+    refs: EntryRefs
+    head: Optional[MetadataHead] = None  # the coordinator's
+
+
+def plan_fqns(plan: SavePlan) -> list[str]:
+    return sorted({item.index.fqn for item in plan.items})
+
+
+def head_refs(head: MetadataHead, plan: SavePlan) -> HeadRefs:
+    """The references for the rank that writes `plan` (see `HeadRefs`)."""
+    return HeadRefs(head.crc, head.name_slots, tuple(head.fqn_indices.get(fqn, -1) for fqn in plan_fqns(plan)))
+
+
+def encode_head(plan: Metadata) -> MetadataHead:
     """The head of every `.metadata` of saves planned with `plan` (see the module docstring)."""
     storage_data = {}
-    head = dataclasses.replace(plan, storage_data=storage_data, storage_meta=None, version=version)
+    head = dataclasses.replace(plan, storage_data=storage_data, storage_meta=None, version=DCP_VERSION)
+    fqns = list(plan.state_dict_metadata)
+    slots = [f"\0{n}" for n in range(NAME_SLOTS)]  # placeholders (distinct objects: one memo index each)
     buffer = io.BytesIO()
     pickler = pickle.Pickler(buffer, protocol=4)
-    pickler.dump(list(_SHARED))
-    shared = buffer.getvalue()
+    pickler.dump([*_SHARED, storage_data, *fqns, *slots])
+    memo = pickler.memo.copy()  # the prologue's: the head's own memo (millions of objects at scale) is never copied
+    prologue = buffer.getvalue()
     buffer.seek(0)
     buffer.truncate()
     pickler.dump(head)
-    memo = pickler.memo.copy()
-    body = _PROTO + _unframed(shared)[:-1] + _POP + _unframed(buffer.getvalue())[:-1]
-    return MetadataHead(plan, body, memo[id(storage_data)][0])
+    data = _PROTO + _unframed(prologue)[:-1] + _POP + _unframed(buffer.getvalue())[:-1]
+    return MetadataHead(plan, data, memo[id(storage_data)][0], {fqn: memo[id(fqn)][0] for fqn in fqns},
+                        tuple(memo[id(slot)][0] for slot in slots), zlib.crc32(data))
 
 
-def encode_entries(items: Iterable[ItemWritten]) -> bytes:
+def encode_entries(items: Iterable[ItemWritten], refs: EntryRefs) -> bytes:
     """One rank's `storage_data` entries as a piece of the `.metadata` stream (see the docstring):
-    its file names put at indices after the shared ones, then MARK key value ... SETITEMS."""
-    shared, first_free = _shared_indices()
+    its file names put in the head's name slots, then MARK key value ... SETITEMS, every fqn a
+    reference to the head's."""
+    memo = {id(obj): (index, obj) for obj, index in _shared_indices()}
+    fqns = {}
+    for fqn, index in refs.fqn_indices.items():
+        memo[id(fqn)] = (index, fqn)
+        fqns[fqn] = fqn  # the object the memo knows, found by its value
     names: dict[str, str] = {}
     entries = {}
     for item in items:
         name = names.setdefault(item.relative_path, item.relative_path)  # one object per file
-        entries[item.index.to_dcp()] = _StorageInfo(name, item.offset, item.length)
-    memo = {id(obj): (index, obj) for obj, index in shared}
+        index = MetadataIndex(fqns.get(item.index.fqn, item.index.fqn), item.index.offset, item.index.index)
+        entries[index] = _StorageInfo(name, item.offset, item.length)
     puts = []
-    for n, name in enumerate(names.values(), start=first_free):
-        puts.append(_unframed(pickle.dumps(name, protocol=4))[:-1] + _put(n) + _POP)
-        memo[id(name)] = (n, name)
+    for slot, name in zip(refs.name_slots, names.values()):
+        puts.append(_unframed(pickle.dumps(name, protocol=4))[:-1] + _put(slot) + _POP)
+        memo[id(name)] = (slot, name)
     buffer = io.BytesIO()
     pickler = pickle.Pickler(buffer, protocol=4)
     pickler.fast = True  # no memo writes: the piece must not depend on what came before it
@@ -165,12 +234,12 @@ def build_image(head: MetadataHead, entries: dict[int, tuple[int, bytes | memory
 
 
 @functools.lru_cache(maxsize=1)
-def _shared_indices() -> tuple[tuple[tuple[object, int], ...], int]:
-    """Each shared object with its memo index, and the first index the shared part leaves free."""
+def _shared_indices() -> tuple[tuple[object, int], ...]:
+    """Each shared object with its memo index (the head's prologue starts with them)."""
     pickler = pickle.Pickler(io.BytesIO(), protocol=4)
     pickler.dump(list(_SHARED))
     memo = pickler.memo.copy()
-    return tuple((obj, memo[id(obj)][0]) for obj in _SHARED), len(memo)
+    return tuple((obj, memo[id(obj)][0]) for obj in _SHARED)
 
 
 def _put(index: int) -> bytes:

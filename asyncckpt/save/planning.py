@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from ..errors import CheckpointError
 from ..loading.safety import collector_paused
+from .metadata_bytes import EntriesPlan, encode_head, head_refs
 from .ranks import RankGroup
 
 
@@ -36,12 +37,13 @@ class LocalPlan:
 
 @dataclass
 class PlannedSave:
-    """What a rank writes (final plan), the global metadata (coordinator only) and the key of
-    the plan's structure."""
+    """What a rank writes (final plan), the global metadata (coordinator only), how its
+    `.metadata` is put together and the key of the plan's structure."""
 
     planner: SavePlanner
     plan: SavePlan
     metadata: Optional[Metadata]
+    entries_plan: EntriesPlan
     structure_key: str
     reused_plan: bool
 
@@ -85,6 +87,7 @@ class Planning:
     _signature: Optional[tuple] = None
     _final_plan: Optional[SavePlan] = None
     _metadata: Optional[Metadata] = None
+    _entries_plan: Optional[EntriesPlan] = None
     _key: str = ""
     _layout: Optional[tuple] = None  # of the last state whose local plan was built
     _local_plan: Optional[SavePlan] = None
@@ -107,31 +110,35 @@ class Planning:
     def reuse(self, local: LocalPlan) -> PlannedSave:
         """Every rank's local plan is unchanged: the cached final plan and metadata still hold."""
         self.counters.plans_reused += 1
-        return PlannedSave(local.planner, self._final_plan, self._metadata, self._key, True)
+        return PlannedSave(local.planner, self._final_plan, self._metadata, self._entries_plan, self._key, True)
 
     def build(self, local: LocalPlan, group: RankGroup) -> PlannedSave:
         """Global planning: gather local plans, the coordinator builds the global plan and the
-        metadata (DCP dedup + validation), each rank gets its final plan back."""
+        metadata (DCP dedup + validation) and the head of `.metadata`; each rank gets its final plan
+        back with the head's references its entries use (metadata_bytes.py)."""
         with collector_paused():  # the coordinator unpickles every rank's plan and builds the global one
             all_plans = group.gather(local.plan)
             replies: Optional[list] = None
-            metadata = None
+            metadata = head = None
             if group.is_coordinator:
                 try:
                     global_plans, metadata = local.planner.create_global_plan(all_plans)
-                    replies = list(global_plans)
+                    head = encode_head(metadata)
+                    replies = [(plan, head_refs(head, plan)) for plan in global_plans]
                 except Exception as exc:  # tell every rank, so none waits on a scatter that never comes
                     replies = [f"global planning failed on the coordinator: {type(exc).__name__}: {exc}"] * group.size
         mine = group.scatter(replies)
         if isinstance(mine, str):
             raise CheckpointError(f"rank {group.rank}: {mine}")
+        mine, refs = mine
         final = local.planner.finish_plan(mine)
         self.counters.plans_built += 1
         if group.size > 1:
             self.counters.plan_gathers += 1
         self._signature, self._final_plan, self._metadata = local.signature, final, metadata
+        self._entries_plan = EntriesPlan(refs.bind(mine), head)
         self._key = structure_key(final)
-        return PlannedSave(local.planner, final, metadata, self._key, False)
+        return PlannedSave(local.planner, final, metadata, self._entries_plan, self._key, False)
 
 
 def flat_layout(planner: SavePlanner) -> Optional[tuple]:

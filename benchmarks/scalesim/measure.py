@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 
 from asyncckpt.layout import METADATA_FILE, step_dir_name
 from asyncckpt.save.commit import CommitMemory, RankOutcome, SaveTarget, finish_save, rank_share
+from asyncckpt.save.metadata_bytes import EntriesPlan
 from asyncckpt.save.planning import Planning
 from asyncckpt.save.retention import Janitor
 from asyncckpt.storage import storage_for
@@ -142,18 +143,20 @@ def _measure_ours(shape: JobShape, ranks: int, plans: _Plans, root: str, trace: 
 
     group.inbox = plans.others
     planned, first_plan = _run(plan, group, trace)
-    final_plans, group.replies = group.replies, None
+    final_plans, refs = zip(*group.replies)  # each rank's final plan and its references into the head
+    group.replies = None
+    entries_plans = [EntriesPlan(r.bind(p)) for p, r in zip(final_plans[1:], refs[1:])]  # what the ranks keep
     results = Results()
     own, files, others = _rank_results(results.ours, final_plans, pickled=False)
-    del final_plans
+    del final_plans, refs
     planned, steady_plan = _run(plan, group, trace)
     assert planned.reused_plan, "the second save must reuse the plan"
 
     janitor, memory = Janitor(), CommitMemory()
-    first_inbox, steady_inbox = _other_ranks_shares(storage, root, (2, 3), planned.metadata, others)
-    del others  # the coordinator never holds them (and a heap full of them slows its collector)
-    first_commit = _commit(storage, root, 2, planned.metadata, own, first_inbox, group, janitor, memory, trace)
-    steady_commit = _commit(storage, root, 3, planned.metadata, own, steady_inbox, group, janitor, memory, trace)
+    first_inbox, steady_inbox = _other_ranks_shares(storage, root, (2, 3), entries_plans, others)
+    del others, entries_plans  # the coordinator never holds them (and a heap full of them slows its collector)
+    first_commit = _commit(storage, root, 2, planned.entries_plan, own, first_inbox, group, janitor, memory, trace)
+    steady_commit = _commit(storage, root, 3, planned.entries_plan, own, steady_inbox, group, janitor, memory, trace)
     janitor.close(60.0)
     step_dir = storage.join(root, step_dir_name(3))
     data_files = [size for f in files for size in f.sizes]
@@ -167,7 +170,8 @@ def _measure_ours(shape: JobShape, ranks: int, plans: _Plans, root: str, trace: 
                 requests=requests_for(data_files + sidecars + [_metadata_size(step_dir), 16]) + 1)  # + HEAD .metadata
 
 
-def _other_ranks_shares(storage, root: str, steps: tuple[int, int], metadata, outcomes: list[RankOutcome]):
+def _other_ranks_shares(storage, root: str, steps: tuple[int, int], entries_plans: list[EntriesPlan],
+                        outcomes: list[RankOutcome]):
     """What the other ranks send at the commit of a first save and of a steady one (the same
     layout), as bytes, built by each rank's own code (`rank_share`: its encoded entries, and its
     checksums part, written for real into the step directory)."""
@@ -176,9 +180,9 @@ def _other_ranks_shares(storage, root: str, steps: tuple[int, int], metadata, ou
     for step in steps:
         step_dir = storage.join(root, step_dir_name(step))
         storage.prepare_dir(step_dir)
-        target = SaveTarget(root, step, step_dir_name(step), step_dir, metadata)
         inbox = []
-        for outcome, rank_memory in zip(outcomes, memories):
+        for outcome, entries_plan, rank_memory in zip(outcomes, entries_plans, memories):
+            target = SaveTarget(root, step, step_dir_name(step), step_dir, entries_plan)
             share, entries = rank_share(storage, target, outcome, True, rank_memory, own_part=True)
             rank_memory.own_entries = entries  # as finish_save does once the verdict says committed
             inbox.append(pickle.dumps(share))
@@ -186,11 +190,11 @@ def _other_ranks_shares(storage, root: str, steps: tuple[int, int], metadata, ou
     return inboxes
 
 
-def _commit(storage, root: str, step: int, metadata, own: RankOutcome, inbox: list[bytes], group: SimulatedGroup,
-            janitor: Janitor, memory: CommitMemory, trace: bool) -> Phase:
+def _commit(storage, root: str, step: int, entries_plan: EntriesPlan, own: RankOutcome, inbox: list[bytes],
+            group: SimulatedGroup, janitor: Janitor, memory: CommitMemory, trace: bool) -> Phase:
     """The coordinator's commit of step `step`, the other ranks' shares in `inbox`."""
     step_dir = storage.join(root, step_dir_name(step))
-    target = SaveTarget(root, step, step_dir_name(step), step_dir, metadata)
+    target = SaveTarget(root, step, step_dir_name(step), step_dir, entries_plan)
 
     def work() -> object:
         group.agree_finished(False, True, step, 60.0)

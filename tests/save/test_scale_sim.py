@@ -80,7 +80,8 @@ def test_a_simulated_commit_of_two_real_ranks_files_loads_with_stock_dcp(tmp_pat
     try:
         outcomes = []
         for rank, worker in enumerate(workers):
-            flight = InFlightSave(0, 1, step_dir_name(1), step_dir, planned[rank].metadata, time.perf_counter(), 0, False)
+            flight = InFlightSave(0, 1, step_dir_name(1), step_dir, planned[rank].entries_plan, time.perf_counter(), 0,
+                                  False)
             worker.ensure_alive()
             worker.send(flight, take_snapshot(planned[rank]), ())
             outcomes.append(worker.outcome(flight, blocking=True))
@@ -90,11 +91,11 @@ def test_a_simulated_commit_of_two_real_ranks_files_loads_with_stock_dcp(tmp_pat
     assert all(o.error is None for o in outcomes), [o.error for o in outcomes]
     assert {w.relative_path[:4] for o in outcomes for w in o.written.items} == {"__0_", "__1_"}
 
-    target = SaveTarget(root, 1, step_dir_name(1), step_dir, planned[0].metadata)
-    share, _ = rank_share(storage, target, outcomes[1], True, CommitMemory(), own_part=True)  # rank 1's own code
+    targets = [SaveTarget(root, 1, step_dir_name(1), step_dir, planned[rank].entries_plan) for rank in range(ranks)]
+    share, _ = rank_share(storage, targets[1], outcomes[1], True, CommitMemory(), own_part=True)  # rank 1's own code
     coordinator.inbox = [pickle.dumps(share)]
     janitor = Janitor()
-    verdict = finish_save(coordinator, storage, target, outcomes[0], True, None, janitor, CommitMemory())
+    verdict = finish_save(coordinator, storage, targets[0], outcomes[0], True, None, janitor, CommitMemory())
     janitor.close(10.0)
     assert verdict.committed, verdict.error
     assert asyncckpt.verify_checkpoint(step_dir) == []  # rank 1's items checked through its checksums part
