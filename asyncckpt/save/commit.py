@@ -25,7 +25,6 @@ import zlib
 from dataclasses import dataclass
 from typing import Optional
 
-
 from ..formats import ChecksumsPart, ItemChecksum, crc32c, encode_checksums
 from ..layout import LATEST_FILE, METADATA_FILE, checksums_part_file, sidecar_file
 from ..protocol import WriteDone
@@ -35,6 +34,7 @@ from .retention import Janitor, Tidy, discard_uncommitted
 from ..storage import Storage
 
 log = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class RankOutcome:
@@ -202,6 +202,8 @@ def _decide(storage: Storage, target: SaveTarget, own: RankOutcome, shares: list
     if target.memory_only:  # every rank holds it in memory; nothing on disk changes
         return Decision(Verdict(True))
     started = time.perf_counter()
+    if all(s.entries is not None for s in shares):  # nothing kept is needed: free it before building anew
+        memory.image = None
     try:
         image = _image_of(target.entries_plan.head, shares, memory.image)
         parts = [s.checksums for s in shares if s.checksums is not None]

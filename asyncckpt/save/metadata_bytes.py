@@ -12,8 +12,8 @@ So the file is written as one valid pickle stream made of pieces:
 
 - *prologue*: a list of what the pieces refer to, so each has a known memo index: first the
   classes and field names every entry uses (the same small indices in every process,
-  `_shared_indices`), then the empty `storage_data`, every fqn of the plan, and `NAME_SLOTS`
-  placeholder strings whose indices the ranks reuse for their file names;
+  `_shared_indices`), then the empty `storage_data`, `NAME_SLOTS` placeholder strings whose
+  indices the ranks reuse for their file names, and every fqn of the plan;
 - *head*: the global plan's `Metadata` with an empty `storage_data` and no `storage_meta`,
   pickled once per plan by the coordinator at planning; every rank gets the memo indices of its
   fqns and of the name slots with its final plan (`HeadRefs`, with the head's CRC);
@@ -32,7 +32,7 @@ send their entries.
 A rank whose entries equal those of its last committed save sends nothing new, and the coordinator
 reuses what it kept: the image of the last committed `.metadata` but its tail (`MetadataImage`,
 in page-aligned memory), so a steady save puts a new tail after it and writes it, with O_DIRECT on
-a local file system (storage/page_buffer.py): no byte of it passes through the CPU again. The
+a local file system (storage/page_buffer.py), so the CPU does not copy its bytes again. The
 result is an ordinary protocol-4 pickle (checked with the C and the pure-Python unpicklers,
 `pickletools` and stock `dcp.load` in the tests).
 """
@@ -137,7 +137,7 @@ def encode_head(plan: Metadata) -> MetadataHead:
     slots = [f"\0{n}" for n in range(NAME_SLOTS)]  # placeholders (distinct objects: one memo index each)
     buffer = io.BytesIO()
     pickler = pickle.Pickler(buffer, protocol=4)
-    pickler.dump([*_SHARED, storage_data, *fqns, *slots])
+    pickler.dump([*_SHARED, storage_data, *slots, *fqns])  # slots first: below 256, a GET of one is 2 bytes
     memo = pickler.memo.copy()  # the prologue's: the head's own memo (millions of objects at scale) is never copied
     prologue = buffer.getvalue()
     buffer.seek(0)
@@ -165,7 +165,7 @@ def encode_entries(items: Iterable[ItemWritten], refs: EntryRefs) -> bytes:
         entries[index] = _StorageInfo(name, item.offset, item.length)
     puts = []
     for slot, name in zip(refs.name_slots, names.values()):
-        puts.append(_unframed(pickle.dumps(name, protocol=4))[:-1] + _put(slot) + _POP)
+        puts.append(_string(name) + _put(slot) + _POP)
         memo[id(name)] = (slot, name)
     buffer = io.BytesIO()
     pickler = pickle.Pickler(buffer, protocol=4)
@@ -244,6 +244,12 @@ def _shared_indices() -> tuple[tuple[object, int], ...]:
 
 def _put(index: int) -> bytes:
     return b"q" + bytes([index]) if index < 256 else b"r" + struct.pack("<I", index)
+
+
+def _string(text: str) -> bytes:
+    """A str's opcode, without the memo write pickle.dumps adds."""
+    data = text.encode("utf-8", "surrogatepass")
+    return (b"\x8c" + bytes([len(data)]) if len(data) < 256 else b"X" + struct.pack("<I", len(data))) + data
 
 
 def _get(index: int) -> bytes:

@@ -131,12 +131,13 @@ class Planning:
         if isinstance(mine, str):
             raise CheckpointError(f"rank {group.rank}: {mine}")
         mine, refs = mine
+        entries_plan = EntriesPlan(refs.bind(mine), head)
         final = local.planner.finish_plan(mine)
         self.counters.plans_built += 1
         if group.size > 1:
             self.counters.plan_gathers += 1
         self._signature, self._final_plan, self._metadata = local.signature, final, metadata
-        self._entries_plan = EntriesPlan(refs.bind(mine), head)
+        self._entries_plan = entries_plan
         self._key = structure_key(final)
         return PlannedSave(local.planner, final, metadata, self._entries_plan, self._key, False)
 

@@ -58,46 +58,57 @@ class _LocalFile(WriteHandle):
 _DIRECT_CHUNK = 64 << 20  # whole pages per write call (Linux caps one call at ~2 GiB)
 
 
-def _write_direct(tmp: str, buffer: PageBuffer, fsync: bool) -> bool:
-    """Write `buffer` to the new file `tmp` with O_DIRECT: whole pages from page-aligned memory,
-    then the file cut to the buffer's length. False, with `tmp` left empty for a plain write,
-    where the file system or the platform refuses O_DIRECT (EINVAL: tmpfs, some FUSE mounts)."""
+_REFUSED = {errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP}  # how file systems say no to O_DIRECT
+
+
+def _write_direct(tmp: str, buffer: PageBuffer) -> bool:
+    """Write `buffer` to the new file `tmp` with O_DIRECT and fsync it: whole pages from
+    page-aligned memory, then the file cut to the buffer's length. False, and no file at `tmp`,
+    where the platform or the file system refuses O_DIRECT (some FUSE and network mounts)."""
     if not getattr(os, "O_DIRECT", 0):
         return False
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_DIRECT, 0o644)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_DIRECT, 0o666)
     except OSError as exc:
-        if exc.errno != errno.EINVAL:
+        if exc.errno not in _REFUSED:
             raise
+        _unlink_quietly(tmp)  # a refusal may come after the file was created
         return False
     try:
         with buffer.padded_view() as view:
-            if not _write_pages(fd, view):
-                os.ftruncate(fd, 0)
-                return False
-        os.ftruncate(fd, buffer.length)
-        if fsync:
+            written = _write_pages(fd, view)
+        if written:
+            os.ftruncate(fd, buffer.length)
             os.fsync(fd)
-        return True
     finally:
         os.close(fd)
+    if not written:
+        _unlink_quietly(tmp)
+    return written
 
 
 def _write_pages(fd: int, view: memoryview) -> bool:
-    """False where the file system refuses the direct write itself (EINVAL), or writes part of a
-    page (the next write would not be aligned)."""
+    """False where the file system refuses the direct write itself, or writes part of a page (the
+    next write would not be aligned)."""
     written = 0
     while written < len(view):
         try:
             n = os.write(fd, view[written:written + _DIRECT_CHUNK])
         except OSError as exc:
-            if exc.errno != errno.EINVAL:
+            if exc.errno not in _REFUSED:
                 raise
             return False
         if n <= 0 or n % PAGE:
             return False
         written += n
     return True
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 def _is_shared_file(st: os.stat_result) -> bool:
@@ -158,8 +169,10 @@ class LocalStorage(Storage):
         directory = os.path.dirname(path) or "."
         tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp-{unique_suffix()}")
         try:
-            if not (isinstance(data, PageBuffer) and _write_direct(tmp, data, fsync)):
-                with open(tmp, "wb") if isinstance(data, PageBuffer) else open(tmp, "xb") as f:
+            # O_DIRECT saves the CPU a copy of every byte, but waits for the device: only worth it when
+            # the bytes must be durable anyway
+            if not (isinstance(data, PageBuffer) and fsync and _write_direct(tmp, data)):
+                with open(tmp, "xb") as f:
                     f.writelines([data.view()] if isinstance(data, PageBuffer)
                                  else [data] if isinstance(data, (bytes, bytearray, memoryview)) else data)
                     f.flush()

@@ -1,10 +1,11 @@
 """Bytes kept in page-aligned memory, so a local file system can write them without a CPU copy.
 
 A steady save's coordinator writes the same `.metadata` bytes save after save, with only a short
-tail new (save/metadata_bytes.py): 4.9 GiB at 16,384 ranks for a 70B model. Through the page cache
-every write costs the CPU a copy of every byte (~0.5 s per GiB here, and writeback after it);
-with O_DIRECT from page-aligned memory the device reads the pages itself (~0.04 s per GiB), so
-the commit's CPU no longer grows with the file (docs/benchmark.md, "Scale").
+tail new (save/metadata_bytes.py): GiBs at 16,384 ranks for a 70B model. Through the page cache
+every write costs the CPU a copy of every byte (~0.7 s per GiB here, and writeback after it);
+with O_DIRECT from page-aligned memory the device reads the pages itself (~0.05 s per GiB), so
+the commit's CPU barely grows with the file (docs/benchmark.md, "Scale"). Object stores and file
+systems that refuse O_DIRECT get the bytes the ordinary way.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ class PageBuffer:
     """A growable byte string in an anonymous mapping (page-aligned, zero-filled past its end)."""
 
     def __init__(self, capacity: int) -> None:
-        self._map = mmap.mmap(-1, max(PAGE, round_up(capacity)))
+        self._map = _anonymous(max(PAGE, round_up(capacity)))
         self.length = 0
 
     def append(self, data) -> int:
@@ -52,6 +53,11 @@ class PageBuffer:
         return memoryview(self._map)[:round_up(self.length)]
 
     def _grow(self, needed: int) -> None:
-        bigger = mmap.mmap(-1, round_up(max(needed, 2 * len(self._map))))
+        bigger = _anonymous(round_up(max(needed, 2 * len(self._map))))
         bigger[:self.length] = self._map[:self.length]
         self._map = bigger  # the old mapping goes with its last view
+
+
+def _anonymous(size: int) -> mmap.mmap:
+    """Private memory (a process forked meanwhile gets its own copy on write, not these pages)."""
+    return mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE)

@@ -11,6 +11,7 @@ not in it, so the pieces' figure is a floor.
 
 from __future__ import annotations
 
+import itertools
 import os
 import statistics
 import time
@@ -42,8 +43,8 @@ class WriteCost:
 def write_cost(workdir: str, gib: float, repeats: int = 3) -> list[WriteCost]:
     size = int(gib * GiB) // PIECE * PIECE
     block = os.urandom(64 << 20)
-    pieces = [block[i % (64 << 20) // PIECE * PIECE:][:PIECE] for i in range(0, size, PIECE)]
-    pieces = [p if len(p) == PIECE else block[:PIECE] for p in pieces]
+    starts = range(0, len(block) - PIECE + 1, PIECE)
+    pieces = [block[start:start + PIECE] for start, _ in zip(itertools.cycle(starts), range(size // PIECE))]
     image = PageBuffer(size)
     for piece in pieces:
         image.append(piece)

@@ -1,5 +1,6 @@
 """A `PageBuffer` is published exactly like bytes: with O_DIRECT where the file system takes it
-(whole pages, then the file cut to its length), through the page cache where it does not."""
+(whole pages, then the file cut to its length), through the page cache where it does not or
+where nothing needs to be durable."""
 
 from __future__ import annotations
 
@@ -34,7 +35,8 @@ def _published(tmp_path, buffer: PageBuffer) -> bytes:
 @pytest.mark.parametrize("size", SIZES)
 def test_a_page_buffer_is_written_directly_and_cut_to_its_length(tmp_path, size):
     buffer, data = _buffer(size)
-    assert local._write_direct(str(tmp_path / "probe"), buffer, fsync=True)  # this file system takes O_DIRECT
+    if not local._write_direct(str(tmp_path / "probe"), buffer):
+        pytest.skip(f"{tmp_path} refuses O_DIRECT (the fallback is tested below)")
     with open(tmp_path / "probe", "rb") as f:
         assert f.read() == data
     os.unlink(tmp_path / "probe")
@@ -52,8 +54,8 @@ def test_a_new_tail_replaces_the_old_one_and_leaves_no_stale_bytes(tmp_path):
 
 @pytest.mark.parametrize("refused_at", ["open", "write"])
 def test_a_file_system_refusing_direct_io_gets_the_bytes_through_the_page_cache(tmp_path, monkeypatch, refused_at):
-    """Where O_DIRECT is refused (EINVAL: some FUSE mounts, older tmpfs), the same bytes are
-    written the plain way."""
+    """Where O_DIRECT is refused (EINVAL: some FUSE mounts, tmpfs before Linux 6.6), the same
+    bytes are written the plain way."""
     real_open, real_write = os.open, os.write
     direct_fds = set()
 
