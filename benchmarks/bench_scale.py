@@ -28,8 +28,8 @@ from dataclasses import asdict
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from scalesim.measure import measure  # noqa: E402
-from scalesim.report import exponents, extrapolate, plot, table, write_table  # noqa: E402
-from scalesim.shapes import LLAMA_7B, LLAMA_70B, TINY, JobShape  # noqa: E402
+from scalesim.report import exponents, extrapolate, plot, steady_table, table, write_table  # noqa: E402
+from scalesim.shapes import LLAMA_7B, LLAMA_70B, LLAMA_70B_ONE_LAYER, TINY, JobShape  # noqa: E402
 from scalesim.write_cost import write_cost  # noqa: E402
 
 SHAPES = {s.name: s for s in (JobShape(LLAMA_7B, "fsdp"), JobShape(LLAMA_70B, "fsdp"),
@@ -40,6 +40,8 @@ SHAPES["tiny FSDP"] = JobShape(TINY, "fsdp")  # a smoke run (tests)
 DEFAULT_RANKS = {"7B FSDP": (8, 16, 32), "70B FSDP": (8, 16, 32, 64), "70B FSDPxTP8": (8, 16, 32),
                  "7B DDP": (8, 16, 32, 64)}
 TARGETS = (64, 1024, 16384)
+STEADY_SHAPE = JobShape(LLAMA_70B_ONE_LAYER, "fsdp")
+STEADY_RANKS = (1024, 4096)  # 16,384 runs too (--steady-ranks 16384): ~N min more
 
 
 def main(argv=None) -> int:
@@ -51,6 +53,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=None, help="write the rows, the extrapolation and the fits as JSON here")
     parser.add_argument("--plot", default=None, help="write the log-log plot here (needs matplotlib)")
     parser.add_argument("--workdir", default=None, help="where the simulated commits write (default: a temp dir)")
+    parser.add_argument("--steady-ranks", default=",".join(map(str, STEADY_RANKS)),
+                        help=f"rank counts at which a steady commit runs for real ({STEADY_SHAPE.name}; empty: skip)")
     parser.add_argument("--write-gib", type=float, default=2.0,
                         help="also time writing a .metadata this large, as a steady commit does and through the "
                              "page cache (0: skip)")
@@ -72,6 +76,11 @@ def main(argv=None) -> int:
                     for row, with_peak in zip(measured, traced):
                         row.peak_mib = with_peak.peak_mib
                 rows += measured
+        steady = []
+        for n in [int(n) for n in args.steady_ranks.split(",") if n]:
+            print(f"[{time.perf_counter() - started:6.0f}s] {STEADY_SHAPE.name} x {n} ranks (steady commit)",
+                  file=sys.stderr, flush=True)
+            steady += measure(STEADY_SHAPE, n, workdir)
         costs = []
         if args.write_gib > 0:
             print(f"[{time.perf_counter() - started:6.0f}s] writing a {args.write_gib:g} GiB .metadata", file=sys.stderr,
@@ -82,14 +91,19 @@ def main(argv=None) -> int:
     if beyond:
         print("\nExtrapolated (least-squares line over the measured rank counts):")
         print(table(beyond, extrapolated=True))
+    if steady:
+        print(f"\nA steady save at many ranks, run for real ({STEADY_SHAPE.name}: the per-rank part of it does not "
+              "depend on the tensors; CPU and wall seconds):")
+        print(steady_table(steady))
     if costs:
         print(f"\n.metadata written durably at {costs[0].gib:.1f} GiB (median of 3, this disk), and what that makes "
               "a steady commit at the largest target:")
-        print(write_table(costs, beyond))
+        print(write_table(costs, beyond, steady))
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
             json.dump({"rows": [asdict(r) for r in rows], "extrapolated": beyond, "growth_exponents": exponents(rows),
+                       "steady_at_scale": [asdict(r) for r in steady],
                        "metadata_write_cost": [dict(asdict(c), cpu_s_per_gib=c.cpu_s_per_gib,
                                                     wall_s_per_gib=c.wall_s_per_gib) for c in costs],
                        "seconds": time.perf_counter() - started}, f, indent=1)

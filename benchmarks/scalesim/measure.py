@@ -273,7 +273,7 @@ def _row(shape: JobShape, ranks: int, method: str, step_dir: str, first_plan: Ph
         phases={"first_plan_s": first_plan.seconds, "steady_plan_s": steady_plan.seconds,
                 "first_commit_s": first_commit.seconds, "steady_commit_s": steady_commit.seconds,
                 "first_plan_wall_s": first_plan.wall_s, "first_commit_wall_s": first_commit.wall_s,
-                "steady_commit_wall_s": steady_commit.wall_s, "first_results_bytes": first_results,
+                "steady_plan_wall_s": steady_plan.wall_s, "steady_commit_wall_s": steady_commit.wall_s, "first_results_bytes": first_results,
                 "steady_results_bytes": steady_results},
     )
 

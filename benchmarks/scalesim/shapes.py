@@ -65,6 +65,9 @@ class Model:
 
 LLAMA_7B = Model("7B", hidden=4096, intermediate=11008, layers=32, kv_dim=4096)
 LLAMA_70B = Model("70B", hidden=8192, intermediate=28672, layers=80, kv_dim=1024)
+# 70B's widths, one decoder layer: the per-rank part of a steady commit (shares, checksums parts)
+# does not depend on the number of tensors, so this runs it at 16,384 ranks for real
+LLAMA_70B_ONE_LAYER = Model("70B-1L", hidden=8192, intermediate=28672, layers=1, kv_dim=1024)
 TINY = Model("tiny", hidden=8, intermediate=12, layers=1, kv_dim=4, vocab=16)  # tests: real tensors
 
 

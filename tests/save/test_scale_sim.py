@@ -132,7 +132,7 @@ def test_the_benchmark_runs_and_writes_its_table_json_and_plot(tmp_path):
     out, png = tmp_path / "scale.json", tmp_path / "scale.png"
     command = [sys.executable, os.path.join(REPO, "benchmarks", "bench_scale.py"), "--shapes", "tiny FSDP",
                "--ranks", "2,4", "--targets", "16", "--out", str(out), "--plot", str(png), "--no-memory",
-               "--write-gib", "0.05"]
+               "--write-gib", "0.05", "--steady-ranks", "8"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "tiny FSDP" in done.stdout and "~16" in done.stdout
@@ -144,3 +144,4 @@ def test_the_benchmark_runs_and_writes_its_table_json_and_plot(tmp_path):
     costs = {c["method"]: c for c in result["metadata_write_cost"]}  # a large .metadata written both ways
     assert set(costs) == {"image", "pieces"} and all(c["cpu_s"] > 0 and c["wall_s"] > 0 for c in costs.values())
     assert "tiny FSDP at ~16 ranks: .metadata" in done.stdout
+    assert [(r["shape"], r["ranks"]) for r in result["steady_at_scale"]] == [("70B-1L FSDP", 8)] * 2  # both methods
