@@ -228,21 +228,17 @@ def _image_of(head: MetadataHead, shares: list[RankShare], kept: Optional[Metada
     """The `.metadata` image of this save: the kept one while the plan and every rank's entries
     are those of the last committed save (a steady save), else one built from the entries sent
     and those kept."""
-    entries: dict[int, tuple[int, bytes | memoryview]] = {}
     for share in shares:
         if share.head_crc != head.crc:  # its fqns would name other tensors: a bug, never a bad file
             raise RuntimeError(f"rank {share.rank} encoded its .metadata entries for another plan")
-        if share.entries is not None:
-            entries[share.rank] = (share.entries_crc, share.entries)
-            continue
         known = kept.ranks.get(share.rank) if kept is not None else None
-        if known is None or known.crc != share.entries_crc:  # the ranks' memories disagree: a bug, never a bad file
+        if share.entries is None and (known is None or known.crc != share.entries_crc):  # a bug, never a bad file
             raise RuntimeError(f"rank {share.rank} sent no .metadata entries and the coordinator keeps none that match")
-        entries[share.rank] = (share.entries_crc, kept.entries(share.rank))
-    if kept is not None and head is kept.head and entries.keys() == kept.ranks.keys() and \
+    if kept is not None and head is kept.head and len(kept.ranks) == len(shares) and \
             all(share.entries is None for share in shares):
         return kept
-    return build_image(head, entries)
+    return build_image(head, {share.rank: (share.entries_crc, share.entries if share.entries is not None
+                                           else kept.entries(share.rank)) for share in shares})
 
 
 def _failed(storage: Storage, target: SaveTarget, error: str, ranks_wait: bool) -> Decision:
