@@ -29,6 +29,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 
 from asyncckpt.layout import METADATA_FILE, step_dir_name
+from asyncckpt.loading.opened import read_metadata
 from asyncckpt.save.commit import CommitMemory, RankOutcome, SaveTarget, finish_save, rank_share
 from asyncckpt.save.metadata_bytes import EntriesPlan
 from asyncckpt.save.planning import Planning
@@ -70,7 +71,8 @@ class ScaleRow:
     steady_beyond_results: int  # coordinator_received minus the write results' own pickles
     metadata_bytes: int
     metadata_write_s: float
-    metadata_read_s: float
+    metadata_read_s: float  # stock dcp.load's reader
+    metadata_our_read_s: float  # asyncckpt's (asyncckpt.load, resume)
     files: int  # in the checkpoint directory
     requests: int  # S3 requests to upload the save (data files, sidecar, .metadata, latest)
     peak_mib: Optional[float] = None  # coordinator, first save (tracemalloc + gather's receive buffer)
@@ -258,7 +260,7 @@ def _row(shape: JobShape, ranks: int, method: str, step_dir: str, first_plan: Ph
          first_commit: Phase, steady_commit: Phase, first_results: int, steady_results: int, files: int,
          requests: int) -> ScaleRow:
     """A row from the phases; each plan phase's traffic already includes its commit's."""
-    read_s, write_s, chunks = _metadata_times(step_dir, method)
+    read_s, our_read_s, write_s, chunks = _metadata_times(step_dir, method)
     first, steady = first_plan.traffic, steady_plan.traffic
     peaks = [p.peak_bytes for p in (first_plan, first_commit) if p.peak_bytes is not None]
     return ScaleRow(
@@ -268,7 +270,7 @@ def _row(shape: JobShape, ranks: int, method: str, step_dir: str, first_plan: Ph
         first_coordinator_received=first.coordinator_received,
         steady_coordinator_received=steady.coordinator_received,
         steady_beyond_results=steady.coordinator_received - steady_results,
-        metadata_bytes=_metadata_size(step_dir), metadata_write_s=write_s, metadata_read_s=read_s,
+        metadata_bytes=_metadata_size(step_dir), metadata_write_s=write_s, metadata_read_s=read_s, metadata_our_read_s=our_read_s,
         files=files, requests=requests, peak_mib=max(peaks) / MiB if peaks else None,
         phases={"first_plan_s": first_plan.seconds, "steady_plan_s": steady_plan.seconds,
                 "first_commit_s": first_commit.seconds, "steady_commit_s": steady_commit.seconds,
@@ -282,9 +284,10 @@ def _metadata_size(step_dir: str) -> int:
     return os.path.getsize(os.path.join(step_dir, METADATA_FILE))
 
 
-def _metadata_times(step_dir: str, method: str) -> tuple[float, float, int]:
+def _metadata_times(step_dir: str, method: str) -> tuple[float, float, float, int]:
     """CPU seconds stock DCP takes to read `.metadata` (FileSystemReader.read_metadata: what
-    dcp.load does first), CPU seconds to write its bytes durably once more the way its commit
+    dcp.load does first), asyncckpt's loader takes (`read_metadata`: restricted unpickler, the
+    collector paused, every entry checked), CPU seconds to write its bytes durably once more the way its commit
     does (asyncckpt: its kept image, O_DIRECT; DCP: a pickle through the page cache; at GiBs:
     write_cost.py), and its entries."""
     gc.collect()
@@ -293,6 +296,10 @@ def _metadata_times(step_dir: str, method: str) -> tuple[float, float, int]:
     read_s = time.process_time() - started
     chunks = len(metadata.storage_data)
     del metadata
+    gc.collect()
+    started = time.process_time()
+    read_metadata(step_dir)
+    our_read_s = time.process_time() - started
     with open(os.path.join(step_dir, METADATA_FILE), "rb") as f:
         data = f.read()
     if method == "asyncckpt":
@@ -303,4 +310,4 @@ def _metadata_times(step_dir: str, method: str) -> tuple[float, float, int]:
     storage_for(step_dir).write_atomic(os.path.join(step_dir, METADATA_FILE + ".again"), data, fsync=True)
     write_s = time.process_time() - started
     os.unlink(os.path.join(step_dir, METADATA_FILE + ".again"))
-    return read_s, write_s, chunks
+    return read_s, our_read_s, write_s, chunks

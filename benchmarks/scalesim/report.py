@@ -25,6 +25,7 @@ COLUMNS = (
     ("metadata_bytes", ".metadata MiB", MiB, "{:.1f}"),
     ("metadata_write_s", "md write s", 1, "{:.2f}"),
     ("metadata_read_s", "md read s", 1, "{:.2f}"),
+    ("metadata_our_read_s", "our read s", 1, "{:.2f}"),
     ("peak_mib", "peak MiB", 1, "{:.0f}"),
     ("files", "files", 1, "{:.0f}"),
     ("requests", "requests", 1, "{:.0f}"),
