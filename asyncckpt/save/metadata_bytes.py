@@ -20,7 +20,7 @@ So the file is written as one valid pickle stream made of pieces:
 - *entries*: each rank's `storage_data` items, encoded by that rank (`encode_entries`) without
   memo writes of their own (pickle's fast mode) except its file names, which it puts (BINPUT)
   into the name slots first; each fqn is a GET of the head's (so written once per file, not once
-  per rank: ~35 % smaller than DCP's file); the pieces never depend on one another's memo;
+  per rank: ~40 % smaller than DCP's file); the pieces never depend on one another's memo;
 - *tail*: this save's `storage_meta` (checkpoint id, save id), set on the `Metadata` (BUILD), so
   everything before it is the same bytes for every save of one layout.
 

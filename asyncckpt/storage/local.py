@@ -56,8 +56,6 @@ class _LocalFile(WriteHandle):
 
 
 _DIRECT_CHUNK = 64 << 20  # whole pages per write call (Linux caps one call at ~2 GiB)
-
-
 _REFUSED = {errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP}  # how file systems say no to O_DIRECT
 
 
