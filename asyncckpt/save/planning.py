@@ -131,7 +131,10 @@ class Planning:
         if isinstance(mine, str):
             raise CheckpointError(f"rank {group.rank}: {mine}")
         mine, refs = mine
-        entries_plan = EntriesPlan(refs.bind(mine), head)
+        try:
+            entries_plan = EntriesPlan(refs.bind(mine), head)
+        except ValueError as exc:  # the coordinator's references do not fit the plan it sent: a bug
+            raise CheckpointError(f"rank {group.rank}: {exc}") from exc
         final = local.planner.finish_plan(mine)
         self.counters.plans_built += 1
         if group.size > 1:

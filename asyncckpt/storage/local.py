@@ -216,10 +216,7 @@ class LocalStorage(Storage):
         return os.path.getsize(path)
 
     def remove_file(self, path: str) -> None:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
+        _unlink_quietly(path)
 
     def remove_tree(self, path: str) -> None:
         if os.path.islink(path):
