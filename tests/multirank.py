@@ -37,16 +37,18 @@ def _entry(rank: int, fn, world_size: int, store_path: str, args: tuple) -> None
     os._exit(0)
 
 
-def run_ranks(fn, world_size: int, *args, timeout_s: float = 240.0) -> None:
+def run_ranks(fn, world_size: int, *args, timeout_s: float = 240.0, gpus: bool = False) -> None:
     """Run fn(rank, world_size, *args) on `world_size` spawned ranks; raise if any rank fails or
     if they do not all finish within `timeout_s` (so a bug fails the test instead of hanging).
+    The ranks see no GPU unless `gpus` (the `cuda`-marked tests whose ranks use one).
     The bound is a hang guard, not a speed check: generous, because each rank and its worker
     start an interpreter and import torch, which takes minutes for 4 ranks on a busy 2-core box."""
     rendezvous = tempfile.mkdtemp(prefix="asyncckpt-ranks-")
     with pytest.MonkeyPatch.context() as env:
         # CPU ranks see no GPU: on a GPU machine torchtitan and DCP would build pinned-memory
         # stagers there, a CUDA context in every rank, and the tests would take other paths
-        env.setenv("CUDA_VISIBLE_DEVICES", "")
+        if not gpus:
+            env.setenv("CUDA_VISIBLE_DEVICES", "")
         context = mp.start_processes(
             _entry, args=(fn, world_size, os.path.join(rendezvous, "store"), args), nprocs=world_size, join=False,
             start_method="spawn",

@@ -20,7 +20,7 @@ import time
 from abc import ABC, abstractmethod
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 
@@ -102,33 +102,39 @@ class _EventFence(Fence):
 
 class CudaCopy(CopyStep):
     """Pinned slots; host-to-device copies on one side stream per device, each followed by an
-    event that frees its slot. The side stream first waits for the caller's current stream, so
-    copies land after whatever the caller queued on its targets. `cuda` is `torch.cuda` (a
-    stand-in in CPU tests); `pin=False` allocates plain buffers (CPU tests)."""
+    event that frees its slot. The side streams are made by the caller's thread when the step is
+    built, each first waiting for the caller's current stream on its device, so copies land after
+    whatever the caller queued on its targets. The reading threads that later queue the copies
+    have streams of their own (CUDA's current stream is per thread): they only ever use these.
+    `cuda` is `torch.cuda` (a stand-in in CPU tests); `pin=False` allocates plain buffers (CPU tests)."""
 
-    def __init__(self, cuda: Any = torch.cuda, pin: bool = True) -> None:
+    def __init__(self, devices: Iterable[torch.device], cuda: Any = torch.cuda, pin: bool = True) -> None:
         self.cuda, self.pin = cuda, pin
-        self._streams: dict[Any, Any] = {}
-        self._lock = threading.Lock()
+        self._streams: dict[Optional[torch.device], Any] = {}
+        for device in map(_stream_key, devices):
+            if device not in self._streams:
+                stream = cuda.Stream(device=device)
+                stream.wait_stream(cuda.current_stream(device))
+                self._streams[device] = stream
 
     def buffer(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)  # torch's host allocator caches pinned blocks
 
-    def _stream(self, device: torch.device) -> Any:
-        with self._lock:
-            if device not in self._streams:
-                stream = self.cuda.Stream(device=device)
-                stream.wait_stream(self.cuda.current_stream(device))
-                self._streams[device] = stream
-            return self._streams[device]
-
     def copy(self, copy_into: CopyInto, host: torch.Tensor, device: torch.device, what: str) -> Fence:
-        stream = self._stream(device if device.type == "cuda" else None)
-        with self.cuda.stream(stream):
+        stream = self._streams.get(_stream_key(device))
+        if stream is None:
+            raise PartialLoadError(f"{what}: its target is on {device}, not on a device the load was set up for")
+        with self.cuda.stream(stream):  # also makes the stream's device current in this thread
             copy_into(host, True)
             event = self.cuda.Event()
             event.record(stream)
         return _EventFence(event, what)
+
+
+def _stream_key(device: torch.device) -> Optional[torch.device]:
+    """A CUDA device has its own side stream; host targets of a load with CUDA ones share the
+    current device's (their copies are synchronous: the stream only orders the event)."""
+    return device if device.type == "cuda" else None
 
 
 class Ring:
@@ -233,5 +239,7 @@ def check_ring_bytes(ring_bytes: Optional[int]) -> int:
 
 
 def copy_step_for(targets: list[torch.Tensor]) -> CopyStep:
-    """CudaCopy when a target is a CUDA tensor (known from its device: no CUDA call), else HostCopy."""
-    return CudaCopy() if any(t.device.type == "cuda" for t in targets) else HostCopy()
+    """CudaCopy when a target is a CUDA tensor (known from its device: no CUDA call), else
+    HostCopy. Called in the caller's thread: CudaCopy takes that thread's current streams."""
+    devices = {t.device for t in targets}
+    return CudaCopy(devices) if any(d.type == "cuda" for d in devices) else HostCopy()

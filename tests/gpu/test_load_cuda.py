@@ -60,6 +60,20 @@ def test_the_targets_dtype_is_kept(saved):
     assert target["half"].dtype == torch.float32 and torch.equal(target["half"].cpu(), source["half"].float())
 
 
+def test_copies_land_after_the_callers_stream_even_from_reading_threads(saved):
+    """The caller loads inside `torch.cuda.stream(s)` with a write to a target still queued on
+    `s` (behind a long kernel). The load's copies, queued by reading threads whose own current
+    stream is the default one, must come after it: the loaded values win (#41 item 5)."""
+    source, target = state(), on_cuda(state())
+    caller = torch.cuda.Stream()
+    with torch.cuda.stream(caller):
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time ahead of the write below
+        target["big"].fill_(-1.0)
+        load(target, saved, no_dist=True, ring_bytes=SMALL_RING)
+    torch.cuda.synchronize()
+    assert torch.equal(target["big"].cpu(), source["big"])
+
+
 def test_a_checksum_failure_mid_stream_raises_partial_load_error(saved, tmp_path):
     damaged = damaged_copy(saved, str(tmp_path / "damaged"), "big")  # one byte flipped mid-tensor
     with pytest.raises(PartialLoadError, match=r"big.*checksum mismatch.*PARTLY LOADED"):
@@ -96,4 +110,4 @@ def _load_into_cuda_dtensor(rank: int, world: int, path: str) -> None:
 def test_a_dtensor_on_cuda_loads_from_row_shards(tmp_path):
     path = str(tmp_path / "sharded")
     run_ranks(_save_row_shards, 2, path)
-    run_ranks(_load_into_cuda_dtensor, 1, path)
+    run_ranks(_load_into_cuda_dtensor, 1, path, gpus=True)

@@ -56,7 +56,7 @@ class StandInCuda:
     is done a few queries after it was recorded (so slots wait on real fences)."""
 
     def __init__(self) -> None:
-        self.streams, self.events, self.waited_for_caller = [], [], 0
+        self.streams, self.events, self.waited_for = [], [], []
         self.lock = threading.Lock()
         outer = self
 
@@ -65,7 +65,7 @@ class StandInCuda:
                 outer.streams.append(self)
 
             def wait_stream(self, other) -> None:
-                outer.waited_for_caller += other == "caller's stream"
+                outer.waited_for.append(other)
 
         class Event:
             def __init__(self) -> None:
@@ -83,7 +83,8 @@ class StandInCuda:
         self.Stream, self.Event = Stream, Event
 
     def current_stream(self, device=None):
-        return "caller's stream"
+        """As in CUDA, each thread has a current stream of its own."""
+        return f"the current stream of {threading.current_thread().name}"
 
     def stream(self, stream):
         assert stream in self.streams
@@ -107,7 +108,7 @@ def through_the_ring(monkeypatch):
 
 def test_the_device_pipeline_loads_bitwise_through_a_ring_smaller_than_one_item(saved, through_the_ring, monkeypatch):
     cuda = StandInCuda()
-    monkeypatch.setattr(reader, "copy_step_for", lambda targets: ring.CudaCopy(cuda, pin=False))
+    monkeypatch.setattr(reader, "copy_step_for", lambda targets: ring.CudaCopy({t.device for t in targets}, cuda, pin=False))
     buffers = []
     real_buffer = ring.CudaCopy.buffer
     monkeypatch.setattr(ring.CudaCopy, "buffer", lambda self, n: buffers.append(n) or real_buffer(self, n))
@@ -121,7 +122,9 @@ def test_the_device_pipeline_loads_bitwise_through_a_ring_smaller_than_one_item(
     assert used.slot_bytes == 8 << 10 and len(slots) <= used.slots  # the ring never grew past its slots
     assert sorted(set(buffers) - {used.slot_bytes}) == [24000]  # "wide": one row at a time, in a buffer of its own
     assert len(cuda.events) > 600 // 8  # an event per piece copied
-    assert cuda.waited_for_caller == len(cuda.streams) == 1  # one side stream, ordered after the caller's
+    # one side stream, ordered after the caller's current stream, not a reading thread's (#41 item 5)
+    assert cuda.waited_for == [f"the current stream of {threading.current_thread().name}"]
+    assert len(cuda.streams) == 1
 
 
 class SlowHostCopy(ring.HostCopy):
@@ -149,7 +152,7 @@ def test_slots_are_reused_only_once_their_copy_finished(saved, through_the_ring,
 
 def test_a_checksum_failure_mid_stream_raises_partial_load_error(saved, tmp_path, through_the_ring, monkeypatch):
     cuda = StandInCuda()
-    monkeypatch.setattr(reader, "copy_step_for", lambda targets: ring.CudaCopy(cuda, pin=False))
+    monkeypatch.setattr(reader, "copy_step_for", lambda targets: ring.CudaCopy({t.device for t in targets}, cuda, pin=False))
     damaged = damaged_copy(saved, str(tmp_path / "damaged"), "big")  # one byte flipped mid-tensor
     with pytest.raises(PartialLoadError, match=r"big.*checksum mismatch.*PARTLY LOADED"):
         load(zeros(state()), damaged, no_dist=True, ring_bytes=SMALL_RING)
