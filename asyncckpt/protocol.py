@@ -144,6 +144,9 @@ class SaveRequest:
     file_tag: str = ""  # in every data file name: a save replacing a committed step never touches its files
     data_folder: str = ""  # the folder of checkpoint_dir this rank's data files go in (layout.py: prefix spreading)
     fresh_tensors: dict[int, torch.Tensor] = field(default_factory=dict)
+    # positions of fresh_tensors copied for this save only (a subclass's values, a storage that
+    # cannot be shared): the worker lets go of them once staged, so they never outlive the save
+    transient: frozenset[int] = frozenset()
     byte_items: dict[int, bytes] = field(default_factory=dict)
     bases: tuple[IncrementalBase, ...] = ()  # incremental: link what did not change from these, in order
     kept_from: str = ""

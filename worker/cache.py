@@ -31,6 +31,13 @@ class CachedStructure:
     plan: bytes = b""  # the memory tier: the trainer's description of the items, for the header
 
 
+    def release(self, positions) -> None:
+        """Let go of the tensors at `positions` (copies the trainer made for one save: every
+        save sends them again). A CUDA one's block goes back to the trainer when dropped."""
+        for pos in positions:
+            self.sources[pos] = None
+
+
 class StructureCache:
     def __init__(self) -> None:
         self.slots: list[Optional[CachedStructure]] = [None] * CACHE_SLOTS

@@ -77,6 +77,7 @@ class ServeLoop:
 
         def staged() -> None:
             nonlocal phase, sealing
+            entry.release(request.transient)  # copied: the trainer's copies made for this save alone may go
             try:
                 self.conn.send(Staged(request.save_id, time.perf_counter() - started, hit, os.getpid()))
             except OSError:  # the trainer died: the copy is sealed all the same (hold_for_exit waits for it)
@@ -94,6 +95,7 @@ class ServeLoop:
                 phase = "prepare"
                 options = request.options
                 self.pool.prepare(staging_need(entry.items), options.staging_budget_bytes, entry.sources)
+                entry.release(request.transient)
                 self.conn.send(Prepared(request.save_id, time.perf_counter() - started, self.pool.capacity))
                 return
             phase = "staging"

@@ -201,6 +201,7 @@ class AsyncCheckpointer:
                 discard_uncommitted(storage, step_dir, file_tag, owns_dir)
                 raise
             flight.error = f"{type(exc).__name__}: {exc}"  # raised on every rank by the next finalize
+        snapshot = None  # noqa: F841 -- its copies made for this save alone must not outlive the staging
         self._in_flight = flight
         if self.config.staging == "eager" and wait:
             self.wait_staged()

@@ -23,6 +23,17 @@ class WorkerHolds:
     fingerprints: list
     tensors: list
 
+    @classmethod
+    def of(cls, snapshot: Snapshot) -> "WorkerHolds":
+        """What the worker holds once it took `snapshot`: every tensor but the copies made for
+        this save alone (sent again each save, and let go by the worker once staged: keeping
+        them here would hold +1x their memory, on the GPU for a DTensor's or subclass's copy,
+        until the next save)."""
+        keep = [pos not in snapshot.always_fresh for pos in range(len(snapshot.tensors))]
+        return cls(snapshot.structure_key,
+                   [fp if kept else None for fp, kept in zip(snapshot.fingerprints, keep)],
+                   [t if kept else None for t, kept in zip(snapshot.tensors, keep)])
+
 
 @dataclass
 class TensorsToSend:

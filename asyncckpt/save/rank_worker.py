@@ -97,7 +97,7 @@ class RankWorker:
         readies its slab meanwhile (the answer is taken before the next save)."""
         request = self.request_for(snapshot, "", "", (), slot, prepare_only=True)
         self._client.send(request, self.config.timeout_s)
-        self._holds[request.slot] = WorkerHolds(snapshot.structure_key, snapshot.fingerprints, snapshot.tensors)
+        self._holds[request.slot] = WorkerHolds.of(snapshot)
         self._preparing = request.save_id
 
     def settle_preparation(self) -> None:
@@ -137,7 +137,7 @@ class RankWorker:
         flight.to_starting_worker = not self._client.ready
         flight.deadline = time.monotonic() + self._client.allowance(self.config.timeout_s)  # start-up
         flight.deadline_says = self._client.bound_text(self.config.timeout_s)
-        self._holds[request.slot] = WorkerHolds(snapshot.structure_key, snapshot.fingerprints, snapshot.tensors)
+        self._holds[request.slot] = WorkerHolds.of(snapshot)
 
     def request_for(
         self, snapshot: Snapshot, step_dir: str, file_tag: str, bases: tuple[IncrementalBase, ...] = (), slot: int = 0,
@@ -155,6 +155,7 @@ class RankWorker:
             options=write_options(self.config),
             items=None if send.known_structure else snapshot.items,
             fresh_tensors=send.fresh,
+            transient=snapshot.always_fresh & send.fresh.keys(),
             byte_items=snapshot.objects,
             file_tag=file_tag,
             data_folder=data_folder,

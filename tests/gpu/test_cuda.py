@@ -165,6 +165,26 @@ def test_cuda_safetensors_round_trip(ckpt_root):
     assert_state_equal(target, expected)
 
 
+@pytest.mark.cuda
+@needs_cuda
+def test_a_subclass_copy_on_the_gpu_is_freed_once_staged(ckpt_root):
+    """A wrapper subclass's values are copied on the device for each save; that copy must go once
+    the worker staged it, not live on (+1x those tensors' GPU memory) until the next save."""
+    from save.test_subclasses import Wrapper
+
+    state = {"w": Wrapper(torch.randn(16 * MiB, device="cuda")), "b": torch.ones(8, device="cuda")}
+    with AsyncCheckpointer(ckpt_root) as ckpt:
+        ckpt.schedule_save(state, step=0)
+        ckpt.finalize(blocking=True)
+        baseline = torch.cuda.memory_allocated()
+        ckpt.schedule_save(state, step=1)  # eager: returns once staged
+        assert torch.cuda.memory_allocated() == baseline, "the save's device copy outlived its staging"
+        ckpt.finalize(blocking=True)
+    target = {"w": torch.zeros(16 * MiB), "b": torch.zeros(8)}
+    load(target, step_path(ckpt_root, 1))
+    assert torch.equal(target["w"], state["w"].inner.cpu())
+
+
 # a trainer in its own process: what it prints at exit, and the allocator it starts with ------------
 TRAINER = r"""
 import sys, torch

@@ -134,3 +134,52 @@ def test_a_subclass_that_cannot_be_saved_faithfully_is_refused_naming_the_entry(
     ckpt.schedule_save({"ok": torch.ones(2)}, checkpoint_dir=path)  # the checkpointer goes on
     ckpt.finalize(blocking=True)
     assert os.path.exists(os.path.join(path, ".metadata"))
+
+
+def _mapped_sizes(pid: int) -> list[int]:
+    """Sizes of the shared-memory mappings of process `pid` (torch's shared storages and the slab)."""
+    sizes = []
+    with open(f"/proc/{pid}/maps") as maps:
+        for line in maps:
+            fields = line.split()
+            if len(fields) >= 6 and ("/dev/shm" in line or "memfd:" in line or "torch_" in line):
+                start, end = (int(x, 16) for x in fields[0].split("-"))
+                sizes.append(end - start)
+    return sizes
+
+
+@pytest.mark.parametrize("staging", ["eager", "lazy"])
+def test_a_copy_made_for_one_save_is_let_go_once_staged(tmp_path, monkeypatch, staging):
+    """A subclass's values are copied for each save (on a GPU: a device copy). Neither the trainer
+    nor the worker may hold that copy past the save's staging: it would cost +1x those tensors'
+    memory until the next save (#41 item 6)."""
+    import weakref
+
+    from asyncckpt import CheckpointConfig
+    from asyncckpt.save import snapshot as snapshot_module
+
+    copies = []
+    real = snapshot_module.shareable_tensor
+
+    def recorded(tensor, fresh, fqn):
+        shared, copied = real(tensor, fresh, fqn)
+        if copied:
+            copies.append(weakref.ref(shared))
+        return shared, copied
+
+    monkeypatch.setattr(snapshot_module, "shareable_tensor", recorded)
+    numel = 300_001  # a size no other mapping has: 1,200,004 bytes, 294 pages
+    page_rounded = -(-numel * 4 // 4096) * 4096
+    with AsyncCheckpointer(str(tmp_path), CheckpointConfig(staging=staging)) as ckpt:
+        state = {"w": Wrapper(torch.randn(numel)), "plain": torch.ones(3)}
+        ckpt.schedule_save(state, step=0)  # a first save: its hand-off thread holds its copy until it ends
+        ckpt.finalize(blocking=True)
+        for step in range(1, 3):
+            ckpt.schedule_save(state, step=step)
+            ckpt.wait_staged()
+            assert copies and all(ref() is None for ref in copies), "the trainer still holds a save's copy"
+            assert page_rounded not in _mapped_sizes(ckpt.worker_pid), "the worker still maps a save's copy"
+            ckpt.finalize(blocking=True)
+    out = {"w": torch.zeros(numel), "plain": torch.zeros(3)}
+    dcp.load(out, checkpoint_id=str(tmp_path / "step_00000002"), no_dist=True)
+    assert torch.equal(out["w"], state["w"].inner)
