@@ -166,21 +166,67 @@ def move_into_shared_memory(resolved, keep_old_pages: bool = False) -> dict[int,
         available is None or 2 * sum(storage.nbytes() for storage in storages.values()) <= available)
 
     def move(storage) -> None:
-        try:
-            if not swap:
+        if not swap:
+            try:
                 storage.share_memory_()
-                return
-            shared = torch.UntypedStorage._new_shared(storage.nbytes())  # as share_memory_ makes it
-            _bytes_of(shared).copy_(_bytes_of(storage))  # (a tensor copy: the GIL is released)
-            storage._swap_data_ptr_(shared)  # the storage has the shared pages now, `shared` the old ones
-            kept[storage.data_ptr()] = shared
-        except RuntimeError:
-            pass
+            except RuntimeError:
+                pass
+            return
+        old = swap_into_shared_memory(storage)
+        if old is not None:
+            kept[storage.data_ptr()] = old
 
     largest_first = sorted(storages.values(), key=lambda storage: -storage.nbytes())
     with ThreadPoolExecutor(min(SHARE_THREADS, len(largest_first)), thread_name_prefix="asyncckpt-share") as pool:
         list(pool.map(move, largest_first))
     return kept
+
+
+def swap_into_shared_memory(storage: torch.UntypedStorage) -> Optional[torch.UntypedStorage]:
+    """Give `storage` shared pages holding its bytes, in place, and return a storage of its old
+    pages (the values as of now); None, with `storage` as it was, when that cannot be done.
+
+    `_swap_data_ptr_` is a private torch API: its result is checked (the storage now owns the
+    new shared segment, the old one its former pages, a sample of bytes the same) and any failure
+    or surprise, whatever its exception type, leaves the storage with its own pages, to be shared
+    or copied the ordinary way."""
+    try:
+        shared = torch.UntypedStorage._new_shared(storage.nbytes())  # as share_memory_ makes it
+        _bytes_of(shared).copy_(_bytes_of(storage))  # (a tensor copy: the GIL is released)
+    except Exception as exc:
+        log.debug("no shared copy of a %d-byte storage (%s: %s): shared the ordinary way", storage.nbytes(),
+                  type(exc).__name__, exc)
+        return None
+    old_ptr, new_ptr = storage.data_ptr(), shared.data_ptr()
+    try:
+        storage._swap_data_ptr_(shared)  # the storage has the shared pages now, `shared` the old ones
+        problem = _swap_problem(storage, shared, old_ptr, new_ptr)
+    except Exception as exc:
+        problem = f"{type(exc).__name__}: {exc}"
+    if problem is None:
+        return shared
+    log.debug("storage swap into shared memory not kept (%s): shared the ordinary way", problem)
+    if storage.data_ptr() == new_ptr:  # swapped, but not as expected: give the storage its own pages back
+        try:
+            storage._swap_data_ptr_(shared)
+        except Exception as exc:
+            raise CheckpointError(f"a storage swapped into shared memory could not be restored ({exc})") from exc
+    return None
+
+
+def _swap_problem(storage, old_pages, old_ptr: int, new_ptr: int) -> Optional[str]:
+    """What is wrong after a swap, or None: the storage must own the shared segment, the other
+    storage its former pages, and the bytes must match (first, middle and last page)."""
+    if storage.data_ptr() != new_ptr or old_pages.data_ptr() != old_ptr:
+        return "the data pointers did not trade places"
+    if not storage.is_shared():
+        return "the storage is not in shared memory after it"
+    nbytes = storage.nbytes()
+    mine, theirs = _bytes_of(storage), _bytes_of(old_pages)
+    for start in {0, max(0, nbytes // 2 - _PAGE // 2), max(0, nbytes - _PAGE)}:
+        if not torch.equal(mine[start:start + _PAGE], theirs[start:start + _PAGE]):
+            return f"bytes differ at offset {start}"
+    return None
 
 
 def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
