@@ -203,6 +203,10 @@ for step in range(3):
     target = {k: torch.zeros_like(v) for k, v in state.items()}
     load(target, f"{root}/step_{step:08d}")
     assert all(torch.equal(target[k].cpu(), expected[k]) for k in state), step
+# torch warns at exit about every CUDA tensor ever shared that is still alive at shutdown, even
+# once the worker let go of it (measured on an H200, docs/guarantees.md "Limits"): a script that
+# drops its state before it ends must get no warning, with or without close()
+del state, expected, target
 if close:
     ckpt.close()
 print("trainer done")
@@ -223,7 +227,8 @@ def run_trainer(tmp_path, *args: str, env: dict | None = None):
 def test_the_worker_lets_go_of_cuda_tensors_before_the_trainer_exits(tmp_path, ending):
     """No "Producer process has been terminated before all shared CUDA tensors released" at exit,
     whether the script closes the checkpointer or leaves it to the exit handler, after a tensor
-    the worker held was reallocated."""
+    the worker held was reallocated: the worker released every handle, and the checkpointer keeps
+    none of the trainer's tensors once closed."""
     done = run_trainer(tmp_path, ending)
     assert done.returncode == 0 and "trainer done" in done.stdout, done.stdout + done.stderr
     assert "Producer process has been terminated" not in done.stderr, done.stderr
