@@ -25,6 +25,7 @@ import torch
 # DCP loads into the structure `state_dict()` returns, and a fresh optimizer's is empty until its
 # first step(), so a resume would skip exp_avg, exp_avg_sq and step.
 from asyncckpt import AsyncCheckpointer, CheckpointConfig, TrainState
+from asyncckpt.command import cli_command
 
 
 def make_model() -> torch.nn.Module:
@@ -101,9 +102,9 @@ def main() -> None:
         )
     else:
         print(f"summary: nothing to do (already at step {args.steps})")
-    root = shlex.quote(args.root)
-    print(f"checkpoints in {args.root}: list them with `python -m asyncckpt ls {root}`, "
-          f"see the latest one's tensors with `python -m asyncckpt inspect {root}`")
+    root, tool = shlex.quote(args.root), cli_command()  # `asyncckpt`, or this Python with -m asyncckpt
+    print(f"checkpoints in {args.root}: list them with `{tool} ls {root}`, "
+          f"see the latest one's tensors with `{tool} inspect {root}`")
 
 
 # Self-check ------------------------------------------------------------------------------------
