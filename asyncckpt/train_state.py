@@ -47,7 +47,8 @@ class TrainState(Stateful):
     Before the optimizer's first step torch's `get_state_dict` creates its state (see the module's
     docstring). TrainState undoes it: for Adam and AdamW the state is reset to the zeros their first
     step would create (kept, so `prepare()` readies it); any other optimizer's is dropped again and
-    saved as zero placeholders marked as not yet created, which a load drops again too.
+    saved as placeholders marked as not yet created, which a load drops again too. torch's step runs
+    the optimizer's step hooks once (an LR scheduler only notes that the optimizer has stepped).
     """
 
     def __init__(

@@ -103,10 +103,13 @@ def test_a_newcomer_installs_the_wheel_runs_the_readme_loop_kills_it_and_resumes
     assert "Requirement already satisfied: torch" in installed.stdout, installed.stdout  # found, not touched
     added = sorted(set(os.listdir(site)) - before)
     assert [name for name in added if not name.startswith("asyncckpt")] == [], added
-    where = subprocess.run([python, "-c", "import asyncckpt, asyncckpt_worker; print(asyncckpt.__file__); "
-                            "print(asyncckpt_worker.__file__)"], cwd=str(tmp_path), env=clean_env(venv),
-                           capture_output=True, text=True, timeout=120)
-    assert where.returncode == 0 and all(line.startswith(site) for line in where.stdout.split()), where
+    where = subprocess.run([python, "-c", "import asyncckpt, asyncckpt_worker; from asyncckpt.command import "
+                            "cli_command; print(asyncckpt.__file__, asyncckpt_worker.__file__, cli_command())"],
+                           cwd=str(tmp_path), env=clean_env(venv), capture_output=True, text=True, timeout=120)
+    assert where.returncode == 0, where.stderr
+    library, worker, hint = where.stdout.split()
+    assert library.startswith(site) and worker.startswith(site), where.stdout
+    assert hint == "asyncckpt", where.stdout  # the venv's script is on PATH: hints name it
 
     loop = python_blocks(os.path.join(REPO, "README.md"))[0].code
     runs = {name: tmp_path / name for name in ("interrupted", "uninterrupted")}
