@@ -13,6 +13,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions
 from asyncckpt import AsyncCheckpointer, CheckpointConfig, TrainState, load
 
 from conftest import assert_state_equal, clone_state, step_path
+from multirank import run_ranks
 
 OPTIMIZERS = {
     # L2 weight decay makes the zero-gradient step leave non-zero moments behind
@@ -155,3 +156,44 @@ def test_what_is_not_a_model_or_an_optimizer_is_refused_at_once():
         TrainState(optimizer, model)
     with pytest.raises(TypeError, match=r"optimizer must be a torch.optim.Optimizer.*\['dict'\]"):
         TrainState(model, [optimizer, {}])
+
+
+# several ranks: FSDP2 (DTensor shards), sharded and full state dicts ------------------------------
+def _fsdp_ranks(rank: int, world: int, root: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+
+    def build(seed: int):
+        model, optimizer = make("adam-l2", seed)
+        fully_shard(model, mesh=mesh)
+        return model, type(optimizer)(model.parameters(), **OPTIMIZERS["adam-l2"][1])
+
+    def full(model) -> dict:
+        return {k: v.full_tensor() for k, v in model.state_dict().items()}
+
+    plain_model, plain_optim = build(0)
+    train(plain_model, plain_optim, range(0, 2))
+    with AsyncCheckpointer(root) as ckpt:
+        for n, options in enumerate([None, StateDictOptions(full_state_dict=True)]):
+            model, optimizer = build(0)
+            state = {"train": TrainState(model, optimizer, options=options)}
+            ckpt.prepare(state)  # before the first step: training stays the same
+            train(model, optimizer, range(0, 2))
+            assert_state_equal(full(model), full(plain_model), f"options {n}, after step 1")
+            ckpt.schedule_save(state, step=10 * n + 2)
+            ckpt.finalize(blocking=True)
+            fresh_model, fresh_optim = build(1)
+            assert ckpt.load_latest({"train": TrainState(fresh_model, fresh_optim, options=options)}) == 10 * n + 2
+            assert_state_equal(full(fresh_model), full(model), f"options {n}, loaded")
+            train(model, optimizer, range(2, 3))
+            train(fresh_model, fresh_optim, range(2, 3))  # the optimizer state came back too
+            assert_state_equal(full(fresh_model), full(model), f"options {n}, one step after the load")
+
+
+def test_fsdp_shards_with_sharded_and_full_state_dicts(tmp_path):
+    """On 2 gloo ranks with FSDP2: `prepare()` before the first step leaves training unchanged,
+    and a save loads back into a fresh sharded model and optimizer, with torch's default (sharded)
+    options and with full_state_dict=True."""
+    run_ranks(_fsdp_ranks, 2, str(tmp_path / "ckpt"), timeout_s=240)
