@@ -22,6 +22,7 @@ _PUBLIC = {  # name -> the module that defines it
     "PartialLoadError": "errors",
     "ResumeReport": "loading.resume",
     "SaveReport": "report",
+    "TrainState": "train_state",
     "WorkerDiedError": "errors",
     "async_save": "doors.torch_dcp",
     "cleanup": "loading.load",

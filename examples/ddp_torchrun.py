@@ -14,26 +14,9 @@ import shutil
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.checkpoint.stateful import Stateful
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from asyncckpt import AsyncCheckpointer, CheckpointConfig
-
-
-class TrainState(Stateful):
-    """Model + optimizer + step as one DCP Stateful (FQN-keyed optimizer state)."""
-
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        self.model, self.optimizer, self.step = model, optimizer, -1
-
-    def state_dict(self):
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        return {"model": model_sd, "optim": optim_sd, "step": self.step}
-
-    def load_state_dict(self, sd) -> None:
-        set_state_dict(self.model, self.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
-        self.step = sd["step"]
+from asyncckpt import AsyncCheckpointer, CheckpointConfig, TrainState
 
 
 def main() -> None:
@@ -53,12 +36,12 @@ def main() -> None:
     torch.manual_seed(0)
     model = DDP(torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8)))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    train = TrainState(model, optimizer)
+    train = TrainState(model, optimizer, step=-1)  # model + optimizer + step as one DCP Stateful
     state = {"train": train}
 
     with AsyncCheckpointer(args.root, CheckpointConfig(keep_last=2)) as ckpt:
         resumed = ckpt.load_latest(state)
-        start = 0 if resumed is None else train.step + 1
+        start = 0 if resumed is None else train.extra["step"] + 1
         if rank == 0:
             print(f"[rank 0/{world}] " + ("fresh start" if resumed is None else f"resumed at step {resumed}"), flush=True)
         for step in range(start, args.steps):
@@ -74,7 +57,7 @@ def main() -> None:
             loss.backward()
             optimizer.step()
             if step % args.save_every == 0 or step == args.steps - 1:
-                train.step = step
+                train.extra["step"] = step
                 ckpt.schedule_save(state, step=step)
         final = ckpt.close()
     if rank == 0:

@@ -21,29 +21,11 @@ import shutil
 import time
 
 import torch
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.checkpoint.stateful import Stateful
-
-from asyncckpt import AsyncCheckpointer, CheckpointConfig
-
-
-class TrainState(Stateful):
-    """Model + optimizer as one DCP Stateful, through DCP's get_state_dict / set_state_dict.
-
-    Don't put a bare optimizer in the state dict: DCP loads into the structure that
-    `state_dict()` returns, and a fresh optimizer's is empty until its first `step()`, so a
-    resume would silently skip exp_avg, exp_avg_sq and step. `get_state_dict` creates that state
-    first (and keys it by parameter name), so loading fills it."""
-
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        self.model, self.optimizer = model, optimizer
-
-    def state_dict(self):
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        return {"model": model_sd, "optim": optim_sd}
-
-    def load_state_dict(self, sd) -> None:
-        set_state_dict(self.model, self.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+# TrainState: model + optimizer as one DCP Stateful. Don't put a bare optimizer in the state dict:
+# DCP loads into the structure `state_dict()` returns, and a fresh optimizer's is empty until its
+# first step(), so a resume would skip exp_avg, exp_avg_sq and step.
+from asyncckpt import AsyncCheckpointer, CheckpointConfig, TrainState
+from asyncckpt.command import cli_command
 
 
 def make_model() -> torch.nn.Module:
@@ -120,9 +102,9 @@ def main() -> None:
         )
     else:
         print(f"summary: nothing to do (already at step {args.steps})")
-    root = shlex.quote(args.root)
-    print(f"checkpoints in {args.root}: list them with `python -m asyncckpt ls {root}`, "
-          f"see the latest one's tensors with `python -m asyncckpt inspect {root}`")
+    root, tool = shlex.quote(args.root), cli_command()  # `asyncckpt`, or this Python with -m asyncckpt
+    print(f"checkpoints in {args.root}: list them with `{tool} ls {root}`, "
+          f"see the latest one's tensors with `{tool} inspect {root}`")
 
 
 # Self-check ------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ import traceback
 from pathlib import Path
 from typing import Optional
 
+from ..command import cli_command
 from ..errors import CheckpointError
 from ..storage import Storage, storage_for
 
@@ -167,7 +168,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     storage, root = _open_dir(args.root)
     kind = _kind(storage, root)
     if kind in ("checkpoint", "torn"):
-        raise CliError(f"{root}: is a checkpoint directory, not a root (try: asyncckpt inspect {root})", EXIT_NOT_CHECKPOINT)
+        raise CliError(f"{root}: is a checkpoint directory, not a root (try: {cli_command()} inspect {root})", EXIT_NOT_CHECKPOINT)
     if kind == "other":
         raise CliError(f"{root}: not a checkpoint root (no step_NNNNNNNN directories, no {LATEST_FILE} file)", EXIT_NOT_CHECKPOINT)
     latest = read_latest_marker(root, storage)

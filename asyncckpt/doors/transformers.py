@@ -40,6 +40,7 @@ except ImportError as exc:  # asyncckpt itself does not depend on Transformers
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
 
 from ..save.checkpointer import AsyncCheckpointer
+from ..command import cli_command
 from ..config import CheckpointConfig
 from .door_config import check_door_config
 from ..errors import CheckpointError
@@ -357,4 +358,4 @@ def _refuse_unsupported(trainer) -> None:
     if trainer.args.push_to_hub:
         log.warning("%s: checkpoint folders are DCP checkpoints, not save_pretrained files, so they are not "
                     "pushed during training; trainer.push_to_hub() after train() pushes the model (or export "
-                    "a checkpoint with `python -m asyncckpt export CKPT OUT --hf`)", type(trainer).__name__)
+                    "a checkpoint with `%s export CKPT OUT --hf`)", type(trainer).__name__, cli_command())

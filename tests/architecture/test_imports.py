@@ -14,7 +14,8 @@ from conftest import REPO
 
 # lower layers first; a module may import its own layer and those before it, never one after
 LAYERS = (
-    ("asyncckpt.errors", "asyncckpt.protocol", "asyncckpt.config", "asyncckpt.report"),
+    ("asyncckpt.errors", "asyncckpt.protocol", "asyncckpt.config", "asyncckpt.report", "asyncckpt.train_state",
+     "asyncckpt.command"),
     ("asyncckpt.storage",),
     ("asyncckpt.layout", "asyncckpt.formats", "asyncckpt.memory_file"),
     ("asyncckpt.loading",),

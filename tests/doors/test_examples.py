@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import re
 import runpy
+import shlex
 import shutil
 import subprocess
 import sys
@@ -78,7 +79,11 @@ def test_example_resumes_from_the_last_committed_save_with_its_optimizer_state(r
     assert committed_steps(resumed.stdout) == [30, 40, 44]
     assert "summary: steps 30..44" in resumed.stdout
     assert "WARNING" not in resumed.stderr, resumed.stderr  # e.g. tensors copied on every save
-    assert f"list them with `python -m asyncckpt ls {root}`" in resumed.stdout  # where they are, how to look
+    # where they are and how to look, with a command that works here (this Python, or the script)
+    hint = re.search(r"list them with `([^`]+)`", resumed.stdout).group(1)
+    assert hint.endswith(f" ls {root}") and ("-m asyncckpt" in hint or hint.startswith("asyncckpt ")), hint
+    listed = subprocess.run(shlex.split(hint), cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert listed.returncode == 0 and "step_00000044" in listed.stdout, listed.stdout + listed.stderr
 
     again = run("--root", root, *RESUME)  # nothing left to train: resumes, checks, stops
     assert again.returncode == 0, again.stdout + again.stderr
