@@ -48,7 +48,8 @@ def close_all() -> None:
         for checkpointer in closing:
             try:
                 if interrupted:
-                    notes.append(f"{checkpointer.root}: {checkpointer.close_interrupted()}")
+                    note = checkpointer.close_interrupted()  # "" when no save was in flight
+                    notes += [f"{checkpointer.root}: {note}"] if note else []
                 else:
                     checkpointer.close()
             except Exception as exc:

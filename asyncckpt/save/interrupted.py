@@ -89,12 +89,11 @@ def _wait_for(hand_off, worker: RankWorker, killed: bool) -> None:
 
 def describe(doing: Optional[str], flight: Optional[InFlightSave], reason: Optional[str], error: Optional[Exception]) -> str:
     """What happened, for the user: 'interrupted while step 1 was being handed over; step 0
-    committed' (or 'not committed: why')."""
-    where = f"while {doing} was being handed over" if doing else (
-        f"while {flight.label} was in flight" if flight is not None else "with no save in flight")
+    committed' (or 'not committed: why'); nothing when no save was in flight."""
     if flight is None:
-        outcome = "nothing to commit"
-    elif reason is not None and error is None:  # several ranks: not even tried
+        return "" if error is None else f"interrupted (Ctrl-C); closing failed: {error}"
+    where = f"while {doing} was being handed over" if doing else f"while {flight.label} was in flight"
+    if reason is not None and error is None:  # several ranks: not even tried
         outcome = f"{flight.label} not committed: {reason}"
     elif error is not None:
         outcome = str(error)
