@@ -30,8 +30,9 @@ class CheckpointConfig:
     fsync: fsync every data file, the metadata and the directories.
     checksums: record a CRC32C per item, checked by `load(..., verify=True)` and `verify`.
     keep_last: keep this many newest committed checkpoints (None keeps all).
-    timeout_s: bound on waiting for staging and, separately, for the writes of one save (a fresh
-        worker's start-up is bounded by worker_start_timeout_s instead, when that is longer).
+    timeout_s: bound on waiting for staging and, separately, for the writes of one save (a save
+        handed to a worker still starting waits at most worker_start_timeout_s + timeout_s for
+        its staging: the start-up, then the copy).
     worker_start_timeout_s: bound on a fresh worker's start-up (an interpreter importing torch:
         seconds on a local disk, minutes where thousands of ranks import from one network file
         system at once); a worker not up by then fails the save waiting for it.
@@ -119,6 +120,13 @@ def _require_int(config: CheckpointConfig, name: str, minimum: int) -> None:
     value = getattr(config, name)
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         raise ValueError(f"CheckpointConfig.{name}={value!r} must be an integer >= {minimum}")
+
+
+def hand_off_bound_s(config: CheckpointConfig) -> float:
+    """The bound on handing a save to a worker that has not started up yet, until it is staged:
+    its start-up (worker_start_timeout_s), then the staging (timeout_s). Their sum: a bound
+    shorter than the waits it covers would time out a hand-off that was going to succeed."""
+    return config.worker_start_timeout_s + config.timeout_s
 
 
 def write_options(c: CheckpointConfig) -> WriteOptions:

@@ -105,9 +105,14 @@ WORKER_ENTRY = "asyncckpt_worker.main"  # the worker's entry module: the trainer
 def run_worker(entry: str, conn, settings: "WorkerSettings") -> None:
     """The spawned worker's first call: import its entry module by name and serve `conn`. It
     lives here because the worker imports this module anyway; the trainer side imports nothing
-    of the worker package."""
+    of the worker package. Ctrl-C is the trainer's to handle (a terminal sends SIGINT to the
+    whole process group): the worker starts with SIGINT blocked (client.py) and ignores it from
+    here on, so no import is cut short; its fork server and writers inherit that."""
     import importlib
+    import signal
 
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # one that came meanwhile is dropped
     importlib.import_module(entry).run(conn, settings)
 
 

@@ -146,7 +146,7 @@ def run(conn, settings: WorkerSettings) -> None:
     logging.basicConfig(
         level=settings.log_level, format=f"%(asctime)s asyncckpt-worker[{settings.rank}] %(levelname)s %(message)s"
     )
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle; it closes us
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # (already, since run_worker) Ctrl-C is the trainer's to handle
     _say_what_this_process_is(settings.rank)
     _lower_io_priority(settings)
     _raise_open_file_limit()

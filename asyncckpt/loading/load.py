@@ -85,6 +85,8 @@ def load(
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             raise
         failures = exc.failures if isinstance(exc, CheckpointException) else {}
+        if any(isinstance(e, KeyboardInterrupt) for e, _ in failures.values()):  # Ctrl-C, which DCP wrapped
+            raise KeyboardInterrupt(f"loading {path!r}: {PARTLY_LOADED if reader.touched else NOT_CHANGED}") from exc
         causes = "; ".join(f"rank {rank}: {_describe(e)}" for rank, (e, _) in sorted(failures.items())) or _describe(exc)
         if reader.touched:  # this rank's tensors were being written (or were, and another rank failed)
             raise PartialLoadError(f"loading {path!r} failed: {causes}; {PARTLY_LOADED}") from exc

@@ -1,13 +1,15 @@
 """Checkpointers a script never closed: at interpreter exit each one's in-flight save is committed
 (bounded by timeout_s) and its worker stopped. A save that fails there must not pass unnoticed:
 an ERROR log line, a message on stderr, and exit status 1 (docs/guarantees.md
-says exactly what that skips)."""
+says exactly what that skips). A script that Ctrl-C ended commits only a save already staged
+(interrupted.py); a second Ctrl-C ends it at once."""
 
 from __future__ import annotations
 
 import atexit
 import logging
 import os
+import signal
 import sys
 import weakref
 
@@ -35,20 +37,60 @@ def report_failure(message: str) -> None:
 
 @atexit.register
 def close_all() -> None:
-    """Close every checkpointer still open; if a save fails, say so and make the exit status 1."""
-    failures = list(_reported)
-    for checkpointer in list(_live):
-        try:
-            checkpointer.close()
-        except Exception as exc:
-            failures.append(f"{checkpointer.root}: {exc}")
+    """Close every checkpointer still open; if a save fails, say so and make the exit status 1.
+    After Ctrl-C (the script ended with KeyboardInterrupt) each says what happened to the save it
+    had in flight (interrupted.py); a Ctrl-C during this ends the process at once."""
+    interrupted = isinstance(getattr(sys, "last_value", None), KeyboardInterrupt)
+    failures, notes, closing = list(_reported), [], list(_live)
+    if closing and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, lambda *_: end_now(closing))  # whatever this waits for, Ctrl-C ends it
+    try:
+        for checkpointer in closing:
+            try:
+                if interrupted:
+                    note = checkpointer.close_interrupted()  # "" when no save was in flight
+                    notes += [f"{checkpointer.root}: {note}"] if note else []
+                else:
+                    checkpointer.close()
+            except Exception as exc:
+                failures.append(f"{checkpointer.root}: {exc}")
+    except KeyboardInterrupt:
+        end_now(closing)
+    for note in notes:
+        say(logging.WARNING, f"asyncckpt: {note}")
     if not failures:
         return
-    message = ("asyncckpt: a save was NOT committed at interpreter exit (the script did not call close()): "
-               + "; ".join(failures))
-    log.error(message)
-    print(message, file=sys.stderr, flush=True)
+    cause = "after Ctrl-C" if interrupted else "(the script did not call close())"
+    say(logging.ERROR, f"asyncckpt: a save was NOT committed at interpreter exit {cause}: " + "; ".join(failures))
     exit_with_failure()
+
+
+def say(level: int, message: str) -> None:
+    """On stderr once: through logging where the script configured it (the line may go to a file
+    as well), else printed (logging's last-resort handler would print it a second time)."""
+    if log.hasHandlers():
+        log.log(level, message)
+    print(message, file=sys.stderr, flush=True)
+
+
+def end_now(checkpointers: list) -> None:
+    """Ctrl-C while close_all runs: kill every worker (SIGKILL, no wait) and end the process by
+    SIGINT at once.
+    The last committed checkpoint is intact: a commit is one rename, and nothing else is deleted
+    first."""
+    for checkpointer in checkpointers:
+        try:
+            checkpointer.kill_worker()
+        except Exception:
+            pass
+    try:  # (straight to the descriptor: this may run in a signal handler, inside a print)
+        os.write(2, b"asyncckpt: Ctrl-C again: exiting now; saves not committed are given up, "
+                    b"the last committed checkpoint is intact\n")
+    except OSError:
+        pass
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGINT)
+    os._exit(130)  # (where SIGINT did not end it)
 
 
 def exit_with_failure() -> None:

@@ -29,6 +29,7 @@ from .first_save import copies_allowed, hand_off_if_starting, may_hand_off
 from .guard import GuardHandles, guard_calls
 from .incremental import Continuation
 from .inflight import InFlightSave
+from .interrupted import InterruptedExit
 from .job_lock import FolderLocks, parent_folder, take_root
 from .memory_tier import MemoryTier
 from .planning import Planning
@@ -41,7 +42,7 @@ from .snapshot import SaveWarnings, take_snapshot
 log = logging.getLogger("asyncckpt")
 
 
-class AsyncCheckpointer:
+class AsyncCheckpointer(InterruptedExit):
     """Asynchronous DCP checkpoints of one training process, written by a persistent worker.
 
     All ranks of a job must call schedule_save and finalize at the same points.
@@ -127,6 +128,7 @@ class AsyncCheckpointer:
         stage into the memory tier and write nothing; the next disk save persists the state.
         With several ranks every rank must call this at the same point."""
         self._check_open()
+        self._scheduling = f"step {step}" if checkpoint_dir is None else f"checkpoint {os.fspath(checkpoint_dir)!r}"
         name, step_dir = save_directory(self.root, step, checkpoint_dir)
         if not isinstance(state_dict, dict):
             raise TypeError(f"state_dict must be a dict, not {type(state_dict).__name__}")
@@ -205,7 +207,7 @@ class AsyncCheckpointer:
         self._in_flight = flight
         if self.config.staging == "eager" and wait:
             self.wait_staged()
-        flight.blocked_s = time.perf_counter() - started
+        flight.blocked_s, self._scheduling = time.perf_counter() - started, None
 
     def prepare(self, state_dict: dict[str, Any]) -> None:
         """Do a save's one-time work now, so the first `schedule_save` of this state costs what a

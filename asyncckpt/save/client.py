@@ -7,6 +7,7 @@ CheckpointError instead of a hang.
 from __future__ import annotations
 
 import logging
+import signal
 import sys
 import threading
 import time
@@ -35,6 +36,7 @@ class WorkerClient:
         self._conn = None
         self._inbox: list = []
         self.ready = False  # the worker said Ready (its start-up is over)
+        self.torn = False  # a Ctrl-C cut a message short: the connection is unusable (the worker must go)
         self._unfetched: set = set()  # descriptors our last request offered that the worker may not have taken
 
     # lifecycle -----------------------------------------------------------------------------
@@ -44,11 +46,11 @@ class WorkerClient:
         process = ctx.Process(
             target=run_worker, args=(WORKER_ENTRY, child_conn, self.settings), name=f"asyncckpt-worker-{self.settings.rank}", daemon=True
         )
-        with _spawn_lock, _main_module_hidden():
+        with _spawn_lock, _main_module_hidden(), _sigint_blocked():
             process.start()
         child_conn.close()  # so a dead worker shows up as EOF on our end
         self._process, self._conn, self._inbox = process, parent_conn, []
-        self.ready = False
+        self.ready = self.torn = False
         log.debug("started worker pid %d for rank %d", process.pid, self.settings.rank)
 
     def poll_ready(self) -> bool:
@@ -84,18 +86,29 @@ class WorkerClient:
             free_released_cuda_blocks()  # it let go of our CUDA tensors before it exited
 
     def _stop(self, process, conn, timeout_s: float) -> None:
-        if process.is_alive():
+        if process.is_alive() and not self.torn:
             try:
                 _send_bounded(conn, process, Shutdown(), min(timeout_s, SHUTDOWN_SEND_S))
             except (OSError, EOFError, TimeoutError):
                 pass
             process.join(timeout_s)
         if process.is_alive():
-            log.warning("worker pid %d did not exit in %.0fs; killing it", process.pid, timeout_s)
+            if not self.torn:
+                log.warning("worker pid %d did not exit in %.0fs; killing it", process.pid, timeout_s)
             process.kill()
             process.join(5)
         conn.close()
-        process.close()
+        if not process.is_alive():  # (one not reaped yet is left to multiprocessing, which reaps it later)
+            process.close()
+
+    def signal_kill(self) -> None:
+        """SIGKILL the worker and return at once (Ctrl-C at exit; whoever waits on it sees it gone)."""
+        process = self._process
+        try:
+            if process is not None and process.is_alive():
+                process.kill()
+        except (ValueError, OSError):  # closed meanwhile by a thread that saw it die
+            pass
 
     def kill(self) -> None:
         """Stop the worker now, without waiting for what it is doing."""
@@ -163,12 +176,18 @@ class WorkerClient:
         """Move one message into the inbox; False if none came within `wait_s`."""
         if self._conn is None:
             raise self._died("(no worker running)")
+        if self.torn:
+            raise self._died("(its connection was cut short by Ctrl-C)")
         try:
             if not self._conn.poll(wait_s):
                 if not self._process.is_alive():
                     raise self._died("")
                 return False
-            message = self._conn.recv()
+            try:
+                message = self._conn.recv()
+            except KeyboardInterrupt:  # Ctrl-C may have cut the message short: what follows is garbage
+                self.torn = True
+                raise
             if isinstance(message, Ready):
                 self.ready = True
             else:
@@ -180,14 +199,17 @@ class WorkerClient:
             raise self._died("") from exc
 
     def allowance(self, timeout_s: float) -> float:
-        """A wait's bound: `timeout_s`, or more while the worker has not said Ready yet."""
-        return timeout_s if self.ready else max(timeout_s, self.start_timeout_s)
+        """A wait's bound: `timeout_s`, after the worker's start-up while it has not said Ready
+        yet (the wait cannot begin before; config.hand_off_bound_s)."""
+        return timeout_s if self.ready else self.start_timeout_s + timeout_s
 
     def bound_text(self, timeout_s: float) -> str:
         """The bound a timed-out wait had, for its error (which setting to raise)."""
-        if self.ready or self.start_timeout_s <= timeout_s:
-            return f"within {timeout_s:.1f}s"
-        return f"within {self.start_timeout_s:.1f}s: it had not started up (CheckpointConfig.worker_start_timeout_s)"
+        if self.ready:
+            return f"within {timeout_s:.1f}s (CheckpointConfig.timeout_s)"
+        return (f"within {self.start_timeout_s + timeout_s:.1f}s: it had not started up "
+                f"(CheckpointConfig.worker_start_timeout_s={self.start_timeout_s:g} for its start-up "
+                f"+ timeout_s={timeout_s:g})")
 
     def _died(self, when: str) -> WorkerDiedError:
         process = self._process
@@ -284,6 +306,24 @@ def _send_bounded(conn, process, message, timeout_s: float) -> None:
             raise BrokenPipeError("worker exited while the message was being sent")
     if failure:
         raise failure[0]
+
+
+class _sigint_blocked:
+    """Start the worker with SIGINT blocked, so that a Ctrl-C while it starts (a terminal sends it
+    to the whole process group) cannot end it before it ignores SIGINT (protocol.run_worker). The
+    mask is this thread's: a Ctrl-C meanwhile reaches the trainer through another thread, or
+    once the mask is restored."""
+
+    def __enter__(self):
+        from multiprocessing import resource_tracker
+
+        resource_tracker.ensure_running()  # first: starting it unblocks SIGINT (for spawn, in process.start())
+        self.old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        return self
+
+    def __exit__(self, *exc):
+        signal.pthread_sigmask(signal.SIG_SETMASK, self.old)
+        return False
 
 
 class _main_module_hidden:

@@ -24,7 +24,7 @@ from typing import Optional
 
 import torch
 
-from ..config import CheckpointConfig
+from ..config import CheckpointConfig, hand_off_bound_s
 from .inflight import InFlightSave
 from ..protocol import IncrementalBase
 from .rank_worker import RankWorker
@@ -43,9 +43,11 @@ class HandOff:
     def __init__(self, worker: RankWorker, flight: InFlightSave, copy: Snapshot, own: Snapshot,
                  bases: tuple[IncrementalBase, ...], slot: int) -> None:
         self.worker, self.flight = worker, flight
-        self.bound_s = worker.config.worker_start_timeout_s + 3 * worker.config.timeout_s + EXTRA_BOUND_S
+        config = worker.config  # the sum of its waits: start-up and staging, the writes, Prepared, packing
+        self.bound_s = hand_off_bound_s(config) + 2 * config.timeout_s + EXTRA_BOUND_S
         flight.to_starting_worker = True  # its bounds include the worker's start-up
         self._copy: Optional[Snapshot] = copy  # the thread takes it (its memory goes as it is packed)
+        self._done = threading.Event()  # not Thread.join/is_alive: a join cut by Ctrl-C marks a live thread dead (3.11)
         self._thread = threading.Thread(target=self._run, args=(own, bases, slot),
                                         name="asyncckpt-first-save", daemon=True)
         self._thread.start()
@@ -54,11 +56,10 @@ class HandOff:
         """Whether the hand-off is over (`wait`: waiting for it, at most `bound_s`; past that the
         save fails, and the worker is left to the thread, whose own waits are bounded)."""
         if wait:
-            self._thread.join(self.bound_s)
-            if self._thread.is_alive() and self.flight.error is None:
+            if not self._done.wait(self.bound_s) and self.flight.error is None:
                 self.flight.error = f"handing the save to the worker did not end within {self.bound_s:.0f}s"
             return True
-        return not self._thread.is_alive()
+        return self._done.is_set()
 
     def _run(self, own: Snapshot, bases: tuple[IncrementalBase, ...], slot: int) -> None:
         try:
@@ -71,6 +72,8 @@ class HandOff:
             self.flight.outcome = outcome
         except Exception as exc:  # reaches every rank as CheckpointError through finalize's verdict
             self.flight.error = f"handing the save to the worker failed: {type(exc).__name__}: {exc}"
+        finally:
+            self._done.set()
 
 
 def hand_off_if_starting(worker: RankWorker, flight: InFlightSave, snapshot: Snapshot,

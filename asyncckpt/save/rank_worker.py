@@ -38,6 +38,7 @@ class RankWorker:
         self._holds: list[Optional[WorkerHolds]] = [None] * CACHE_SLOTS
         self._next_save_id = 0
         self._preparing: Optional[int] = None  # the id of a preparation not answered yet
+        self._abandoned = False  # after Ctrl-C: the worker was killed, and no other may start
         self.start()  # spawn now, so the first save does not pay for the interpreter start
 
     @property
@@ -48,6 +49,10 @@ class RankWorker:
     def ready(self) -> bool:  # started up and alive: a save waits for no start-up
         return self._client is not None and self._client.poll_ready() and self._client.is_alive()
 
+    @property
+    def said_ready(self) -> bool:  # the worker's Ready was taken in (reads nothing: safe beside a hand-off thread)
+        return self._client is not None and self._client.ready
+
     def holds_nothing_in(self, slot: int) -> bool:  # a save in `slot` sends every tensor (a first save, a new worker)
         return self._holds[slot] is None
 
@@ -56,6 +61,8 @@ class RankWorker:
         return self._client is not None and self._client.is_alive()
 
     def start(self) -> None:
+        if self._abandoned:
+            raise WorkerDiedError(f"rank {self.rank}: the checkpointer is closing after Ctrl-C; no new worker starts")
         # no CUDA device here: the worker takes it from the tensors of each save (a device read
         # now would be the wrong one where the checkpointer is built before set_device or on
         # another thread, and would initialise CUDA in a CPU-only job)
@@ -74,6 +81,8 @@ class RankWorker:
     def ensure_alive(self) -> None:
         """A worker that is gone (crashed, killed, or reset after a failure) is replaced."""
         self._await_prepared()
+        if self._abandoned:
+            self.start()  # (raises: no new worker after Ctrl-C)
         if self._client is None or not self._client.is_alive():
             if self._client is not None:
                 log.warning("checkpoint worker pid %s is gone; starting a new one", self._client.pid)
@@ -94,6 +103,18 @@ class RankWorker:
             self._client.stop()
             self._client = None
         self._holds, self._preparing = [None] * CACHE_SLOTS, None
+
+    @property
+    def torn(self) -> bool:  # Ctrl-C cut a message short: nothing more can be read from this worker
+        return self._client is not None and self._client.torn
+
+    def abandon(self) -> None:
+        """Kill the worker now (SIGKILL, no wait), whatever it is doing, and start no other: the
+        exit after Ctrl-C gives up a save not staged yet. A thread waiting for the worker
+        (first_save.HandOff) sees it gone within its poll slice."""
+        self._abandoned = True
+        if self._client is not None:
+            self._client.signal_kill()
 
     # preparation ---------------------------------------------------------------------------------
     def prepare(self, snapshot: Snapshot, slot: int = 0) -> None:

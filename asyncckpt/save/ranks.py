@@ -19,7 +19,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ..config import CheckpointConfig
+from ..config import CheckpointConfig, hand_off_bound_s
 from ..errors import CheckpointError
 
 
@@ -38,7 +38,7 @@ def finalize_bound_s(config: CheckpointConfig, to_starting_worker: bool) -> floa
     """How long a blocking finalize whose own rank is done waits for the others: a healthy rank
     needs at most `timeout_s` for Staged and `timeout_s` for its writes, after its worker's
     start-up when the save went to a worker still starting (the ranks start theirs together)."""
-    return 2 * config.timeout_s + (config.worker_start_timeout_s if to_starting_worker else 0.0)
+    return (hand_off_bound_s(config) if to_starting_worker else config.timeout_s) + config.timeout_s
 
 
 class RankGroup:

@@ -1,0 +1,233 @@
+"""Ctrl-C never hangs a training script (issue 41, item 0).
+
+A terminal sends SIGINT to the whole process group: the trainer and its worker. The worker
+ignores it; the trainer's exit commits a save the worker has already staged and gives up anything
+earlier at once, says which, and a second Ctrl-C ends it at once. Each script here runs in a
+session of its own (start_new_session), so SIGINT to its group never reaches pytest.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import psutil
+import torch
+
+from asyncckpt import AsyncCheckpointer, CheckpointConfig
+from asyncckpt.layout import list_checkpoints, read_latest_marker
+from conftest import REPO
+
+EXIT_BOUND_S = 60.0  # the issue's bound; with the default timeout_s (600 s) a wait on it would show
+
+# The repro of the issue, smaller: step 0 handed over while the worker starts (no prepare), then
+# more saves; SIGINT lands somewhere in there, at a delay after step 0's schedule_save returned.
+LOOP = textwrap.dedent(
+    """
+    import sys, time, torch
+    from asyncckpt import AsyncCheckpointer, CheckpointConfig
+    root, mib = sys.argv[1], int(sys.argv[2])
+    state = {f"t{i}": torch.randn(mib * (1 << 20) // 4 // 8) for i in range(8)}
+    ckpt = AsyncCheckpointer(root, CheckpointConfig(worker_nice=None, worker_ionice=None))
+    ckpt.schedule_save(state, step=0)
+    print("scheduled 0", flush=True)
+    for step in range(1, 6):
+        ckpt.schedule_save(state, step=step)
+        print("scheduled", step, flush=True)
+        for t in state.values():
+            t.add_(1.0)
+    ckpt.close()
+    print("closed", flush=True)
+    """
+)
+
+
+def start(tmp_path, name: str, script: str, *args: str) -> subprocess.Popen:
+    path = tmp_path / f"{name}.py"
+    path.write_text(script)
+    return subprocess.Popen([sys.executable, str(path), *args], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def interrupt_after(process: subprocess.Popen, moment: tuple[int, float]) -> dict:
+    """SIGINT to the script's whole process group `delay_s` after it scheduled step `step`;
+    returns how long it took to end, its output, and whether anything of its session is left."""
+    step, delay_s = moment
+    first, line = "", None
+    while line != f"scheduled {step}\n" and line != "":
+        line = process.stdout.readline()
+        first += line
+    time.sleep(delay_s)
+    os.killpg(process.pid, signal.SIGINT)
+    sent = time.monotonic()
+    try:
+        out, err = process.communicate(timeout=EXIT_BOUND_S + 30)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        out, err = process.communicate()
+    ended_s = time.monotonic() - sent
+    left = _session_left(process.pid, 10.0)
+    return {"moment": moment, "ended_s": ended_s, "rc": process.returncode, "stdout": first + out, "stderr": err,
+            "left": left}
+
+
+def _session_left(sid: int, wait_s: float) -> list[int]:
+    """Processes still in the script's session (its worker, fork server, writers) after `wait_s`."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        left = []
+        for proc in psutil.process_iter(["pid"]):
+            try:
+                if os.getsid(proc.pid) == sid and proc.status() != psutil.STATUS_ZOMBIE:
+                    left.append(proc.pid)
+            except (OSError, psutil.Error):
+                pass
+        if not left or time.monotonic() > deadline:
+            if left:
+                for pid in left:
+                    os.kill(pid, signal.SIGKILL)
+            return left
+        time.sleep(0.2)
+
+
+def committed(root: str) -> list[int]:
+    return [c.step for c in list_checkpoints(root) if c.committed] if os.path.isdir(root) else []
+
+
+def test_ctrl_c_at_six_moments_ends_soon_says_what_happened_and_keeps_committed_saves(tmp_path):
+    """The issue's repro at 6 delays (during the first hand-off with the worker starting, staging,
+    writes, commits): each script ends within 60 s with the default timeout_s, says once what
+    happened to the save in flight (not "the script did not call close()"), and what it says
+    is committed is, whole, with `latest` naming a committed step. Its worker, which got the
+    SIGINT too, did not die of it: the trainer ended it. A script interrupted in load_latest
+    gets KeyboardInterrupt (saying whether the state was changed), not a load error."""
+    # (step scheduled, then seconds): the first hand-off, the worker starting or staging it; then
+    # later saves being written, committed, or waited for while the next is scheduled
+    moments = [(0, 0.0), (0, 0.5), (1, 0.0), (2, 0.05), (3, 0.15), (4, 0.3)]
+    roots = [str(tmp_path / f"ckpt{n}") for n in range(len(moments))]
+    scripts = [start(tmp_path, f"loop{n}", LOOP, root, "16") for n, root in enumerate(roots)]
+    loads_root = str(tmp_path / "loads")
+    loads = start(tmp_path, "loads", LOADS, loads_root)  # and one in load_latest (in parallel: quicker)
+    with ThreadPoolExecutor(len(moments) + 1) as pool:
+        loading = pool.submit(interrupt_after, loads, (0, 0.2))
+        runs = list(pool.map(interrupt_after, scripts, moments))
+    loaded = loading.result()
+    print(f"in load_latest: ended in {loaded['ended_s']:.1f}s rc={loaded['rc']}")
+    assert loaded["ended_s"] < EXIT_BOUND_S and loaded["left"] == [], loaded["stderr"][-3000:]
+    assert "KeyboardInterrupt: loading" in loaded["stderr"], loaded["stderr"][-3000:]  # not a load error
+    assert "PARTLY LOADED" in loaded["stderr"] or "nothing in state_dict was changed" in loaded["stderr"]
+    assert "asyncckpt: " not in loaded["stderr"].replace("asyncckpt.errors", "")  # no save in flight: no note
+    assert committed(loads_root) == [0]
+    summary = []
+    for run, root in zip(runs, roots):
+        steps = committed(root)
+        summary.append(f"after step {run['moment'][0]} + {run['moment'][1]}s: ended in {run['ended_s']:.1f}s rc={run['rc']} committed={steps}")
+    print("\n" + "\n".join(summary))
+    for run, root in zip(runs, roots):
+        err, steps = run["stderr"], committed(root)
+        assert run["ended_s"] < EXIT_BOUND_S, (run["moment"], err[-3000:])
+        assert run["left"] == [], f"processes of the script left behind: {run['left']}"
+        assert "did not call close()" not in err, err[-3000:]
+        assert "died" not in err, err[-3000:]  # the worker ignores SIGINT: it was never lost to it
+        if "closed" in run["stdout"]:  # it ended before the SIGINT
+            assert steps == [0, 1, 2, 3, 4, 5]
+            continue
+        notes = [line for line in err.splitlines() if "interrupted (Ctrl-C)" in line]
+        assert len(notes) <= 1, err[-3000:]  # said once (not by logging's last resort as well)
+        if not notes:  # interrupted inside close(), after the last commit: nothing was in flight
+            assert steps == [0, 1, 2, 3, 4, 5], err[-3000:]
+            continue
+        note = notes[0]
+        for step in range(6):
+            if f"step {step} committed" in note:
+                assert step in steps, (note, steps)
+            if f"step {step} not committed" in note:
+                assert step not in steps, (note, steps)
+        if steps:
+            assert read_latest_marker(root) == f"step_{max(steps):08d}"
+    assert any(committed(root) for root in roots)  # some SIGINT came after a commit: kept
+
+
+LOADS = textwrap.dedent(
+    """
+    import sys, torch
+    from asyncckpt import AsyncCheckpointer
+    root = sys.argv[1]
+    state = {f"t{i}": torch.randn(1 << 20) for i in range(8)}
+    ckpt = AsyncCheckpointer(root)
+    ckpt.schedule_save(state, step=0)
+    ckpt.close()
+    ckpt = AsyncCheckpointer(root)
+    print("scheduled 0", flush=True)
+    while True:
+        ckpt.load_latest(state)
+    """
+)
+
+
+STUCK_WRITES = textwrap.dedent(
+    """
+    import sys, torch
+    from asyncckpt import AsyncCheckpointer
+    root = sys.argv[1]
+    state = {"w": torch.randn(1 << 20)}
+    ckpt = AsyncCheckpointer(root)
+    ckpt.schedule_save(state, step=1)
+    ckpt.finalize(blocking=True)
+    ckpt.schedule_save(state, step=2)  # staged: its writes go on in the worker
+    print(ckpt.worker_pid, flush=True)
+    import time
+    time.sleep(600)
+    """
+)
+
+
+def test_a_second_ctrl_c_ends_at_once_and_the_last_committed_checkpoint_is_intact(tmp_path):
+    """After the first Ctrl-C the exit waits for a staged save's writes; with its worker frozen
+    (a stuck disk) that wait would last timeout_s. A second Ctrl-C ends the process at once,
+    kills the worker, and step 1 (committed before) is intact and still `latest`."""
+    root = str(tmp_path / "ckpt")
+    script = start(tmp_path, "stuck", STUCK_WRITES, root)
+    worker = int(script.stdout.readline())
+    os.kill(worker, signal.SIGSTOP)  # its writes never end
+    os.killpg(script.pid, signal.SIGINT)
+    time.sleep(1.5)
+    assert script.poll() is None  # it waits for the staged save (the bound is its writes)
+    os.killpg(script.pid, signal.SIGINT)
+    sent = time.monotonic()
+    _, err = script.communicate(timeout=60)
+    ended_s = time.monotonic() - sent
+    print(f"\nsecond Ctrl-C: ended in {ended_s:.2f}s, rc={script.returncode}")
+    assert ended_s < 10, err
+    assert script.returncode == -signal.SIGINT  # ended by SIGINT, as a shell expects
+    assert "Ctrl-C again" in err, err
+    assert _session_left(script.pid, 10.0) == []  # the frozen worker was killed
+    assert committed(root) == [1] and read_latest_marker(root) == "step_00000001"
+
+
+def test_worker_and_its_writers_ignore_sigint(ckpt_root):
+    """The worker, its fork server and the writers it forks ignore SIGINT (and it is blocked in
+    the worker from its spawn until it ignores it): Ctrl-C is the trainer's to handle."""
+    with AsyncCheckpointer(ckpt_root, CheckpointConfig(io="process", io_workers=2)) as ckpt:
+        ckpt.schedule_save({"w": torch.ones(1 << 16)}, step=1)
+        ckpt.finalize(blocking=True)
+        worker = psutil.Process(ckpt.worker_pid)
+        family = [worker] + worker.children(recursive=True)
+        assert len(family) >= 2  # the fork server
+        for proc in family:
+            ignored = int(_status(proc.pid, "SigIgn"), 16)
+            assert ignored & (1 << (signal.SIGINT - 1)), f"pid {proc.pid} does not ignore SIGINT"
+        os.kill(worker.pid, signal.SIGINT)
+        ckpt.schedule_save({"w": torch.ones(1 << 16)}, step=2)
+        ckpt.finalize(blocking=True)
+        assert ckpt.worker_pid == worker.pid
+
+
+def _status(pid: int, field: str) -> str:
+    with open(f"/proc/{pid}/status") as f:
+        return next(line.split()[1] for line in f if line.startswith(field + ":"))
