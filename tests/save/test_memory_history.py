@@ -10,6 +10,7 @@ import logging
 import os
 import shutil
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -244,3 +245,34 @@ def test_two_ranks_load_from_disk_when_one_copy_belongs_to_another_history(tmp_p
     shm.mkdir()
     run_ranks(_one_rank_of_another_history, 2, str(tmp_path / "ckpt"), str(shm))
 
+
+
+PERSIST_KILLED = """
+import os, sys
+sys.path[:0] = sys.argv[3:5]
+from test_memory_tier import config, state_at
+from conftest import zeros_like_state
+from asyncckpt import AsyncCheckpointer
+root, shm = sys.argv[1:3]
+target = zeros_like_state(state_at(0))
+ckpt = AsyncCheckpointer(root, config(shm))
+step = ckpt.load_latest(target)
+print("restored", step, ckpt.resume_report.source, ckpt.resume_report.persisted, flush=True)
+os.kill(os.getpid(), 9)  # while the restored copy is being written to disk
+"""
+
+
+def test_a_trainer_killed_while_the_restored_copy_is_persisted_loses_nothing(tmp_path):
+    root, shm = str(tmp_path / "ckpt"), tmp_path / "shm"
+    shm.mkdir()
+    save_then_keep(root, shm, [1], 2)
+    here = os.path.dirname(os.path.abspath(__file__))
+    for _ in range(2):  # killed twice in a row: the copy (or its persisted checkpoint) is still there
+        killed = subprocess.run([sys.executable, "-c", PERSIST_KILLED, root, str(shm), here, os.path.dirname(here)],
+                                capture_output=True, text=True, timeout=180)
+        assert killed.returncode == -9, killed.stderr[-3000:]
+        assert "restored 2 memory False" in killed.stdout, killed.stdout + killed.stderr[-3000:]
+    step, report, target = resume(root, shm)
+    assert step == 2, report
+    assert_state_equal(target, state_at(2))
+    assert read_latest_marker(root) == "step_00000002"  # persisted by now (in the background, then at close)
