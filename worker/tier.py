@@ -93,6 +93,7 @@ class TierFile:
             }, stored)
             footer = Footer(True, os.getpid(), at, len(header), crc32c(header)).encode()
             reserve(slab.fd, slab.size, at + len(header) + len(footer) - slab.size, self.settings.path, memory.step)
+            os.ftruncate(slab.fd, at + len(header) + len(footer))  # the footer ends the file (an older one was longer)
             os.pwrite(slab.fd, b"".join(blobs) + header, slab.size)
             os.pwrite(slab.fd, footer, at + len(header))
             self.pool.publish_slab()  # a fresh slab file replaces the previous copy only now, sealed

@@ -11,12 +11,13 @@ copy *is* that checkpoint (the same save id: the copy is the committed save itse
 
 from __future__ import annotations
 
+import os
 import uuid
 from dataclasses import dataclass
 from typing import Optional
 
 from ..layout import ROOT_ID_FILE, latest_checkpoint
-from ..storage import storage_for
+from ..storage import is_remote, storage_for
 from .safe_reader import read_metadata
 
 
@@ -30,25 +31,41 @@ class Base:
 
 @dataclass(frozen=True)
 class RootHistory:
-    """The root's id, and whether the root had none until now (empty, new or wiped: nothing in
-    memory can belong to it), and its newest committed checkpoint then."""
+    """The root's id, and its newest committed checkpoint when it was read."""
 
     root_id: str
-    fresh: bool
     newest: Optional[Base]
 
 
 def root_history(root: str, fsync: bool = True) -> RootHistory:
-    """Read the root's id, writing a new one (atomically) where it has none. The coordinator
-    calls this once, before the root is used, and shares the answer."""
+    """Read the root's id, writing a new one where it has none (created only where absent: two
+    processes opening an empty root at once agree on one). The coordinator calls this once,
+    before the root is used, and shares the answer."""
     storage = storage_for(root)
     path = storage.join(root, ROOT_ID_FILE)
-    root_id = storage.read_bytes(path).decode().strip() if storage.exists(path) else ""
-    fresh = not root_id
-    if fresh:
-        root_id = uuid.uuid4().hex
-        storage.write_atomic(path, root_id.encode() + b"\n", fsync)
-    return RootHistory(root_id, fresh, None if fresh else newest_committed(root))
+    for _ in range(3):
+        if storage.exists(path):
+            root_id = storage.read_bytes(path).decode().strip()
+            if root_id:
+                return RootHistory(root_id, newest_committed(root))
+        if _create(storage, path, (uuid.uuid4().hex + "\n").encode(), fsync):
+            return RootHistory(storage.read_bytes(path).decode().strip(), newest_committed(root))
+    raise OSError(f"{path}: cannot read or create the root's id")
+
+
+def _create(storage, path: str, data: bytes, fsync: bool) -> bool:
+    """Publish `path` whole only if it does not exist: False when another writer was first."""
+    if is_remote(path):
+        return storage.write_if_version(path, data, None)
+    temp = f"{path}.{uuid.uuid4().hex[:8]}.tmp"
+    storage.write_atomic(temp, data, fsync)
+    try:
+        os.link(temp, path)  # fails if it exists: never replaces another writer's id
+        return True
+    except FileExistsError:
+        return False
+    finally:
+        os.unlink(temp)
 
 
 def newest_committed(root: str) -> Optional[Base]:
@@ -72,17 +89,15 @@ class Verdict:
     why: str = ""
 
 
-def judge(root: str, history: RootHistory, copy_root_id: Optional[str], base: Optional[Base], step: int,
-          token: str) -> Verdict:
-    """The history rule for the copy every rank holds (same save, same history)."""
-    if history.fresh:
-        return Verdict(False, why=f"the root {root!r} had no history id (empty, new or wiped): the copy of "
-                                  f"step {step} belongs to another history")
+def judge(root: str, history: RootHistory, newest: Optional[Base], copy_root_id: Optional[str],
+          base: Optional[Base], step: int, token: str) -> Verdict:
+    """The history rule for the copy every rank holds (same save, same history); `newest`: the
+    root's newest committed checkpoint now. A wiped or recreated root has a new id: no copy of
+    its old history matches it."""
     if copy_root_id != history.root_id:
         return Verdict(False, why=f"the copy of step {step} belongs to another history (root id "
-                                  f"{str(copy_root_id)[:8]}, the root's {history.root_id[:8]}: another job or a "
-                                  "recreated root on this path)")
-    newest = newest_committed(root)
+                                  f"{str(copy_root_id)[:8]}, the root's {history.root_id[:8]}: another job, "
+                                  "or the root was wiped or recreated on this path)")
     if newest is not None and newest.step == step and newest.save_id == token:
         return Verdict(True)  # the copy is the committed save itself
     if newest == base:

@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from ..errors import CheckpointError, PartialLoadError
 from ..formats import CHECKSUM_ALGORITHM, Sidecar
 from ..memory_file import MemoryCopy, NotACopy, memory_file_name, owner_alive, read_copy, root_key
-from .history import Base, RootHistory, judge
+from .history import Base, RootHistory, judge, newest_committed
 from .load import load
 from .memory_plan import rebuild_metadata
 from .resume import ResumeReport
@@ -67,6 +67,7 @@ class Decision:
     why: str = ""  # why not
     warn: bool = False
     drop: bool = False  # another history's copy: removed once the disk load succeeded
+    newest: Optional[Base] = None  # the root's newest committed checkpoint (with a history)
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,7 @@ class MemoryAttempt:
     restored: Optional[MemoryRestore] = None
     drop: bool = False
     touched: bool = False
+    newest: Optional[Base] = None  # the root's newest committed checkpoint, as the coordinator found it
 
 
 def restore(
@@ -102,15 +104,16 @@ def restore(
             log.warning("memory tier: not restoring from memory (%s); loading from disk", decision.why)
         elif decision.why:
             log.info("memory tier: not restoring from memory: %s; loading from disk", decision.why)
-        return MemoryAttempt(drop=decision.drop)
+        return MemoryAttempt(drop=decision.drop, newest=decision.newest)
     step = seen[0].step
     loaded = _load_copy(state_dict, copies, memory_dir, group, trusted, f"the copy of step {step}")
     if loaded is not True:
-        return MemoryAttempt(touched=any(group.all_gather(loaded == "touched")))
+        return MemoryAttempt(touched=any(group.all_gather(loaded == "touched")), newest=decision.newest)
     what = "memory only" if seen[0].memory_only else ("not committed" if decision.persist else "committed too")
     log.info("resumed from memory: step %d (save %s, %s) in %.2fs", step, seen[0].token[:8], what,
              time.perf_counter() - started)
-    return MemoryAttempt(MemoryRestore(ResumeReport(step, copies[group.rank].path, source="memory"), decision.persist))
+    return MemoryAttempt(MemoryRestore(ResumeReport(step, copies[group.rank].path, source="memory"), decision.persist),
+                         newest=decision.newest)
 
 
 def restore_saved(
@@ -205,22 +208,23 @@ def _read_waiting(path: str, deadline: float) -> MemoryCopy:
 def decide(seen: list[Seen], root: str, history: Optional[RootHistory]) -> Decision:
     """The coordinator's choice between the memory copy every rank saw and the disk: the same
     save and the same history on every rank, and the history rule (loading/history.py)."""
+    newest = newest_committed(root) if history is not None else None
     problems = [f"rank {r}: {s.problem}" for r, s in enumerate(seen) if s.problem is not None]
     if problems:
         quiet = all(s.problem == NO_COPY for s in seen)
-        return Decision(False, why="" if quiet else "; ".join(problems[:4]), warn=not quiet)
+        return Decision(False, why="" if quiet else "; ".join(problems[:4]), warn=not quiet, newest=newest)
     saves = {(s.step, s.token) for s in seen}
     if len(saves) > 1:
-        return Decision(False, why=f"the ranks hold different saves: {sorted(saves)[:4]}", warn=True)
+        return Decision(False, why=f"the ranks hold different saves: {sorted(saves)[:4]}", warn=True, newest=newest)
     step, token = seen[0].step, seen[0].token
     strangers = [r for r, s in enumerate(seen) if (s.root_id, s.base) != (seen[0].root_id, seen[0].base)]
     if strangers:
-        return Decision(False, drop=True, why=f"the copy of rank {strangers[0]} belongs to another history than "
-                                              "rank 0's")
+        return Decision(False, drop=True, newest=newest,
+                        why=f"the copy of rank {strangers[0]} belongs to another history than rank 0's")
     if history is None:
         return Decision(False, why="this tier keeps no history (it restores only a save it is named)")
-    verdict = judge(root, history, seen[0].root_id, seen[0].base, step, token)
-    return Decision(verdict.use, persist=verdict.persist, why=verdict.why, drop=not verdict.use)
+    verdict = judge(root, history, newest, seen[0].root_id, seen[0].base, step, token)
+    return Decision(verdict.use, persist=verdict.persist, why=verdict.why, drop=not verdict.use, newest=newest)
 
 
 class MemoryReader(SafeReader):

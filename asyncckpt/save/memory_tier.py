@@ -105,6 +105,8 @@ class MemoryTier:
         (loading/memory_tier.py); loading/restart.py calls this."""
         attempt = restore(state_dict, self.root, self.config.memory_dir, self.group, trusted=trusted,
                           wait_s=self.config.timeout_s, key=self.key, history=self.history)
+        if self.history is not None:  # the root as it is now (another process may have committed since)
+            self.base = attempt.newest
         if attempt.restored is not None and attempt.restored.persist:
             self.unpersisted = attempt.restored.report.step
         return attempt
