@@ -276,3 +276,20 @@ def test_a_trainer_killed_while_the_restored_copy_is_persisted_loses_nothing(tmp
     assert step == 2, report
     assert_state_equal(target, state_at(2))
     assert read_latest_marker(root) == "step_00000002"  # persisted by now (in the background, then at close)
+
+
+def test_prepare_and_a_clean_close_keep_a_restored_copy_not_yet_persisted(tmp_path):
+    """Persisting opted out: `prepare` readies a new slab beside the copy (it replaces the copy only
+    once a copy of its own is sealed), and a clean close keeps it: the next start resumes it."""
+    root, shm = str(tmp_path / "ckpt"), tmp_path / "shm"
+    shm.mkdir()
+    save_then_keep(root, shm, [1], 2)
+    target = zeros_like_state(state_at(0))
+    with AsyncCheckpointer(root, config(shm, memory_persist_restored=False)) as ckpt:
+        assert ckpt.load_latest(target) == 2
+        ckpt.prepare(target)
+        ckpt.finalize(blocking=True)
+        ckpt.ensure_worker()
+    step, report, target = resume(root, shm)
+    assert (step, report.source) == (2, "memory")
+    assert_state_equal(target, state_at(2))
