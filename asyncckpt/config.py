@@ -53,7 +53,13 @@ class CheckpointConfig:
         restores from it when it is newer than the disk (docs/guarantees.md, "Memory tier").
         Needs a root; not with staging_budget_bytes (the slab must hold the whole state).
     memory_dir: where the memory tier's files live (a tmpfs: /dev/shm by default).
-    memory_keep: a clean `close()` leaves the memory tier's file in place (removed by default).
+    memory_keep: a clean `close()` leaves the memory tier's file in place (removed by default,
+        except while it holds a copy newer than the disk: that one is never dropped unpersisted).
+    memory_persist_restored: when `load_latest` restores a copy from memory that is newer than the
+        disk (a memory-only save, or one whose disk save never committed), write and commit it in the
+        background right away (True, default: `load_latest` waits only for it to be staged; the write
+        commits at a later `finalize`, and `resume_report.persisted` turns True). False: it stays in
+        memory only until the next disk save.
     prefixes: spread each save's data files over this many data folders of the step directory
         (rank r's in `p{r % prefixes}`), each a key prefix of its own on an object store; 1: every
         file directly in the step directory. None (default): on an object store, as many as keep
@@ -80,6 +86,7 @@ class CheckpointConfig:
     memory_tier: bool = False
     memory_dir: str = "/dev/shm"
     memory_keep: bool = False
+    memory_persist_restored: bool = True
     prefixes: Optional[int] = None
 
     def __post_init__(self) -> None:
@@ -100,7 +107,8 @@ class CheckpointConfig:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < float("inf"):
                 raise ValueError(f"CheckpointConfig.{name}={value!r} must be a positive number of seconds")
-        for name in ("cache_structure", "fsync", "checksums", "incremental", "memory_tier", "memory_keep"):
+        for name in ("cache_structure", "fsync", "checksums", "incremental", "memory_tier", "memory_keep",
+                     "memory_persist_restored"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"CheckpointConfig.{name}={getattr(self, name)!r} must be True or False")
         if self.separation_hint is not None and not (isinstance(self.separation_hint, str) and self.separation_hint):

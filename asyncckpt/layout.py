@@ -23,6 +23,7 @@ TORCH_SAVE = "torch_save"
 SAFETENSORS = "safetensors"
 TORCH_SAVE_SUFFIX = ".distcp"
 SAFETENSORS_SUFFIX = ".safetensors"
+ROOT_ID_FILE = ".asyncckpt_root_id"  # in a root: the id of its history (loading/history.py)
 LOCK_FILE = ".asyncckpt.lock"  # in a root (or a folder the doors save into): which job holds it
 
 

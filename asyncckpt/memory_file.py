@@ -20,7 +20,7 @@ import re
 import stat
 import struct
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 from .formats import crc32c
 
@@ -89,6 +89,9 @@ class MemoryCopy:
     host: str
     items: tuple[StoredItem, ...]
     plan: Any
+    root_id: Optional[str] = None  # its history (loading/history.py); None: written before histories
+    base_step: Optional[int] = None
+    base_token: Optional[str] = None
 
 
 class NotACopy(Exception):
@@ -135,10 +138,12 @@ def read_copy(path: str) -> MemoryCopy:
     try:
         header = json.loads(raw)
         items = tuple(StoredItem(int(a), int(n), int(c)) for a, n, c in header["items"])
+        base = header.get("base")
         return MemoryCopy(path, str(header["root"]), int(header["rank"]), int(header["world_size"]),
                           int(header["step"]), str(header["token"]), bool(header["memory_only"]),
                           int(header["trainer_pid"]), int(header["worker_pid"]), str(header["host"]), items,
-                          header["plan"])
+                          header["plan"], header.get("root_id"), None if base is None else int(base[0]),
+                          None if base is None else base[1])
     except (ValueError, KeyError, TypeError) as exc:
         raise NotACopy(f"damaged (header unreadable: {exc})") from None
 

@@ -171,6 +171,9 @@ class MemorySave:
     token: str
     memory_only: bool = False
     plan: Optional[bytes] = None
+    root_id: Optional[str] = None  # the history it belongs to (loading/history.py): the root's id,
+    base_step: Optional[int] = None  # and the newest committed checkpoint when it was staged
+    base_token: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -226,6 +229,7 @@ class WriteDone:
     write_s: float
     bytes_linked: int = 0  # of them, in files hard-linked from the base instead of written
     requests: dict = field(default_factory=dict)  # object-store requests the worker issued, by kind (storage/requests.py)
+    memory_problem: str = ""  # the memory tier's copy of this save could not be sealed (the disk save went on)
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ class SaveReport:
     plan_reused: bool
     collectives: int = 0  # collectives this save issued, from schedule_save to the commit
     memory_only: bool = False  # staged into the memory tier only: nothing was written or committed
+    persisted_restore: bool = False  # this save persisted the copy `load_latest` restored from memory
     retries: int = 0  # object-store requests and calls tried again after a transient failure (503, reset, ...)
     # object-store requests by kind (put, part, head...), each attempt counted: this rank's data
     # files (its worker), and this process's own (probe, sidecar, .metadata, latest on the coordinator)

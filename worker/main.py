@@ -74,6 +74,7 @@ class ServeLoop:
         started = time.perf_counter()
         memory = request.memory if self.tier is not None and not request.prepare_only else None
         sealing = False
+        unsealed: list[str] = []
 
         def staged() -> None:
             nonlocal phase, sealing
@@ -86,7 +87,13 @@ class ServeLoop:
             phase = "write"
             if memory is not None:
                 sealing = True
-                self.tier.seal(memory, entry.plan, entry.items, entry.views, request.byte_items)
+                try:
+                    self.tier.seal(memory, entry.plan, entry.items, entry.views, request.byte_items)
+                except OSError as exc:  # the copy stays incomplete; a disk save goes on without it
+                    if memory.memory_only:
+                        raise
+                    unsealed.append(str(exc))
+                    log.warning("%s; this save goes to disk only", exc)
 
         try:
             entry, hit = self.cache.apply(request)
@@ -107,7 +114,8 @@ class ServeLoop:
             finally:
                 if memory is not None and not sealing:
                     self.tier.abandon()
-            self.conn.send(dataclasses.replace(done, requests=COUNTER.since(requests_before)))
+            self.conn.send(dataclasses.replace(done, requests=COUNTER.since(requests_before),
+                                               memory_problem="; ".join(unsealed)))
         except WriteError as exc:
             self._fail(request.save_id, "write", str(exc), exc.path)
         except CacheMiss as exc:

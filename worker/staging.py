@@ -10,6 +10,8 @@ larger than the budget passes through it in pieces (`pieces`).
 from __future__ import annotations
 
 import ctypes
+import errno
+import logging
 import mmap
 import os
 import sys
@@ -49,6 +51,15 @@ class StagingPool:
         self._streams: dict[int, object] = {}  # a side stream per CUDA device the sources are on
         self._helpers: Optional[ThreadPoolExecutor] = None  # extra copy threads, made on first use
         self._helper_count = 0
+        self._unpublished: Optional[str] = None  # the memory tier: a fresh slab file not yet named `memory_path`
+
+    def publish_slab(self) -> None:
+        """The memory tier sealed a copy in a fresh slab file: it takes the tier's name now,
+        replacing the previous copy (kept until here: a crash while the first save of a new
+        worker stages, or after a `prepare`, leaves the previous copy whole)."""
+        if self._unpublished is not None:
+            os.rename(self._unpublished, self.memory_path)
+            self._unpublished = None
 
     @property
     def capacity(self) -> int:
@@ -93,7 +104,10 @@ class StagingPool:
         # the server started is reachable. Private memory would also be write-protected in the
         # worker by every fork (measured: 0.26 s instead of 0.08 s per GiB for the next copy).
         # It is shmem but not in /dev/shm, so it does not count against that mount's size.
-        fd = _named_slab(self.memory_path, size) if self.memory_path else os.memfd_create("asyncckpt-staging", os.MFD_CLOEXEC)
+        if self.memory_path:  # a fresh file: the previous copy stays whole until this one is sealed
+            fd, self._unpublished = _named_slab(self.memory_path, size), next_name(self.memory_path)
+        else:
+            fd = os.memfd_create("asyncckpt-staging", os.MFD_CLOEXEC)
         try:
             os.ftruncate(fd, size)
             self._slab = torch.frombuffer(mmap.mmap(fd, size), dtype=torch.uint8)
@@ -223,6 +237,11 @@ class StagingPool:
     def close(self) -> None:
         self._close_helpers()
         self._release()
+        if self._unpublished is not None:  # a slab no copy was sealed in (a prepare without a save)
+            try:
+                os.unlink(self._unpublished)
+            except FileNotFoundError:
+                pass
 
     def _close_helpers(self) -> None:
         if self._helpers is not None:
@@ -241,24 +260,39 @@ class StagingPool:
             yield flat[:nbytes].numpy()
 
 
+def next_name(path: str) -> str:
+    """Where a fresh slab file of the memory tier lives until its first copy is sealed."""
+    return path.removesuffix(".slab") + ".next.slab"
+
+
 def _named_slab(path: str, size: int) -> int:
-    """The memory tier's file, created afresh (a new inode: views of an older slab stay valid),
-    private to this user, its `size` bytes reserved now: on a full tmpfs a fault in a mapped page
-    is a SIGBUS, so a slab that does not fit fails here, saying how much it needs."""
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    try:
-        os.posix_fallocate(fd, 0, size)
-    except OSError as exc:
-        os.close(fd)
-        os.unlink(path)
-        room = os.statvfs(os.path.dirname(path))
-        raise OSError(exc.errno, f"memory tier: {os.path.dirname(path)} has {room.f_bavail * room.f_frsize / 2**20:.0f} "
-                      f"MiB free, the staging slab needs {size / 2**20:.0f} MiB ({exc.strerror})") from None
-    return fd
+    """A fresh file for the memory tier (a new inode: views of an older slab stay valid), private
+    to this user, at `next_name(path)` until its first copy is sealed, its `size` bytes reserved
+    now: on a full tmpfs a fault in a mapped page is a SIGBUS, so a slab that does not fit fails
+    here, saying how much it needs. Where the previous copy and the new slab do not both fit,
+    the previous copy goes first (with a WARNING)."""
+    fresh = next_name(path)
+    for attempt in (1, 2):
+        try:
+            os.unlink(fresh)
+        except FileNotFoundError:
+            pass
+        fd = os.open(fresh, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, size)
+            return fd
+        except OSError as exc:
+            os.close(fd)
+            os.unlink(fresh)
+            if attempt == 1 and exc.errno == errno.ENOSPC and os.path.exists(path):
+                logging.getLogger("asyncckpt.worker").warning(
+                    "memory tier: no room for a new slab beside the previous copy %s; that copy goes first", path)
+                os.unlink(path)
+                continue
+            room = os.statvfs(os.path.dirname(path))
+            raise OSError(exc.errno, f"memory tier: {os.path.dirname(path)} has {room.f_bavail * room.f_frsize / 2**20:.0f} "
+                          f"MiB free, the staging slab needs {size / 2**20:.0f} MiB ({exc.strerror})") from None
+    raise AssertionError("unreachable")
 
 
 READ, WRITE = 22, 23  # MADV_POPULATE_READ / MADV_POPULATE_WRITE (Linux 5.14)

@@ -31,6 +31,18 @@ class TrainerGone(Exception):
     """The trainer died before this save began: it is not started (the last copy stays complete)."""
 
 
+def reserve(fd: int, offset: int, nbytes: int, path: str, step: int) -> None:
+    """Reserve the room for the copy's objects, header and footer before writing them: on a full
+    tmpfs this is ENOSPC here, naming the mount, the bytes needed and free (never a SIGBUS later)."""
+    try:
+        os.posix_fallocate(fd, offset, max(nbytes, 1))
+    except OSError as exc:
+        room = os.statvfs(os.path.dirname(path))
+        raise OSError(exc.errno, f"the memory tier cannot seal its copy of step {step}: {os.path.dirname(path)} has "
+                      f"{room.f_bavail * room.f_frsize / 2**20:.1f} MiB free, its objects and header need "
+                      f"{nbytes / 2**20:.1f} MiB ({exc.strerror})") from None
+
+
 class TierFile:
     def __init__(self, settings: MemoryTier, rank: int, trainer_pid: int, pool: StagingPool) -> None:
         self.settings = settings
@@ -76,12 +88,15 @@ class TierFile:
                 "root": self.settings.root, "rank": self.rank, "world_size": self.settings.world_size,
                 "step": memory.step, "token": memory.token, "memory_only": memory.memory_only,
                 "trainer_pid": self.trainer_pid, "worker_pid": os.getpid(), "host": socket.gethostname(),
-                "sealed_at": time.time(), "plan": plan.decode(),
+                "sealed_at": time.time(), "plan": plan.decode(), "root_id": memory.root_id,
+                "base": None if memory.base_step is None else [memory.base_step, memory.base_token],
             }, stored)
             footer = Footer(True, os.getpid(), at, len(header), crc32c(header)).encode()
-            os.ftruncate(slab.fd, at + len(header) + len(footer))  # the footer's place holds zeros until written
+            reserve(slab.fd, slab.size, at + len(header) + len(footer) - slab.size, self.settings.path, memory.step)
+            os.ftruncate(slab.fd, at + len(header) + len(footer))  # the footer ends the file (an older one was longer)
             os.pwrite(slab.fd, b"".join(blobs) + header, slab.size)
             os.pwrite(slab.fd, footer, at + len(header))
+            self.pool.publish_slab()  # a fresh slab file replaces the previous copy only now, sealed
         finally:
             self._done()
 

@@ -1,8 +1,10 @@
-"""Restoring from the memory tier: `load_latest` loads the memory copy instead of the disk when
-every rank holds the same complete copy and it is newer than the newest committed checkpoint
-(or is that very save: the same save id). Anything else, the disk: another root's copy, an older
-or incomplete one, one any rank lacks (its file is not on this node), or one whose checksums do
-not match (found while reading: then a WARNING, and the disk overwrites every entry).
+"""Restoring from the memory tier: `load_latest` (loading/restart.py) loads the memory copy
+instead of the disk when every rank holds the same complete copy of the same history and the
+history rule (loading/history.py) says it is the one: staged on top of the root's newest committed
+checkpoint, or that very save. Anything else, the disk: another root's or another history's copy
+(INFO, and it is removed once the disk load succeeded), an incomplete one, one any rank lacks (its
+file is not on this node), or one whose checksums do not match (found while reading: then a
+WARNING, and the disk of the same history overwrites every entry).
 
 Every rank reads the headers of every rank's file (on one node they are all here), the ranks
 gather what they saw, the coordinator decides (it alone reads the disk's newest `.metadata`) and
@@ -20,15 +22,15 @@ from typing import Any, Optional, Protocol
 
 from torch.distributed.checkpoint.metadata import Metadata
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, PartialLoadError
 from ..formats import CHECKSUM_ALGORITHM, Sidecar
-from ..layout import latest_checkpoint
 from ..memory_file import MemoryCopy, NotACopy, memory_file_name, owner_alive, read_copy, root_key
+from .history import Base, RootHistory, judge, newest_committed
 from .load import load
 from .memory_plan import rebuild_metadata
 from .resume import ResumeReport
 from .opened import OpenCheckpoint, opened_with
-from .safe_reader import SafeReader, read_metadata
+from .safe_reader import SafeReader
 
 log = logging.getLogger("asyncckpt")
 
@@ -54,14 +56,18 @@ class Seen:
     token: Optional[str] = None
     memory_only: bool = False
     problem: Optional[str] = None
+    root_id: Optional[str] = None  # the history of this rank's own copy
+    base: Optional[Base] = None
 
 
 @dataclass(frozen=True)
 class Decision:
     use: bool
-    persist: bool = False  # newer than the disk and not memory-only: write and commit it now
+    persist: bool = False  # newer than the disk: write and commit it (in the background)
     why: str = ""  # why not
     warn: bool = False
+    drop: bool = False  # another history's copy: removed once the disk load succeeded
+    newest: Optional[Base] = None  # the root's newest committed checkpoint (with a history)
 
 
 @dataclass(frozen=True)
@@ -70,29 +76,44 @@ class MemoryRestore:
     persist: bool
 
 
+@dataclass(frozen=True)
+class MemoryAttempt:
+    """What trying the memory tier came to: the copy loaded (`restored`), or not; then whether
+    the copy is to go once the disk loaded (`drop`), and whether the failed load had already
+    changed the state (`touched`: the disk of the same history must overwrite it, or the
+    restart fails with PartialLoadError)."""
+
+    restored: Optional[MemoryRestore] = None
+    drop: bool = False
+    touched: bool = False
+    newest: Optional[Base] = None  # the root's newest committed checkpoint, as the coordinator found it
+
+
 def restore(
     state_dict: dict[str, Any], root: str, memory_dir: str, group: Ranks, *, trusted: bool, wait_s: float,
-    key: Optional[str] = None,
-) -> Optional[MemoryRestore]:
+    key: Optional[str] = None, history: Optional[RootHistory] = None,
+) -> MemoryAttempt:
     """Load the memory copy into `state_dict` when it is the one to resume from (every rank
-    decides the same); None: resume from the disk. `key`: what keys the tier's files, when not
-    the root (save/memory_tier._tier_key)."""
+    decides the same). `key`: what keys the tier's files, when not the root
+    (save/memory_tier._tier_key); `history`: the root's, as the checkpointer found it."""
     started = time.perf_counter()
     copies, seen = _look(memory_dir, key or root, group, wait_s)
-    decision = group.broadcast(decide(seen, root) if group.is_coordinator else None)
+    decision = group.broadcast(decide(seen, root, history) if group.is_coordinator else None)
     if not decision.use:
         if decision.warn:
             log.warning("memory tier: not restoring from memory (%s); loading from disk", decision.why)
         elif decision.why:
-            log.info("memory tier: %s; loading from disk", decision.why)
-        return None
+            log.info("memory tier: not restoring from memory: %s; loading from disk", decision.why)
+        return MemoryAttempt(drop=decision.drop, newest=decision.newest)
     step = seen[0].step
-    if not _load_copy(state_dict, copies, memory_dir, group, trusted, f"the copy of step {step}"):
-        return None
-    what = "memory only" if seen[0].memory_only else ("persisting it to disk" if decision.persist else "committed too")
+    loaded = _load_copy(state_dict, copies, memory_dir, group, trusted, f"the copy of step {step}")
+    if loaded is not True:
+        return MemoryAttempt(touched=any(group.all_gather(loaded == "touched")), newest=decision.newest)
+    what = "memory only" if seen[0].memory_only else ("not committed" if decision.persist else "committed too")
     log.info("resumed from memory: step %d (save %s, %s) in %.2fs", step, seen[0].token[:8], what,
              time.perf_counter() - started)
-    return MemoryRestore(ResumeReport(step, copies[group.rank].path, source="memory"), decision.persist)
+    return MemoryAttempt(MemoryRestore(ResumeReport(step, copies[group.rank].path, source="memory"), decision.persist),
+                         newest=decision.newest)
 
 
 def restore_saved(
@@ -113,8 +134,9 @@ def restore_saved(
         log.info("memory tier: %s is not the save held in memory%s; loading its files", checkpoint.path,
                  f" ({'; '.join(problems[:4])})" if problems else "")
         return False
-    if not _load_copy(state_dict, copies, memory_dir, group, trusted, f"the copy of {checkpoint.path}"):
-        return False
+    loaded = _load_copy(state_dict, copies, memory_dir, group, trusted, f"the copy of {checkpoint.path}")
+    if loaded is not True:
+        return False  # the caller reads the files: every entry overwritten
     log.info("loaded %s from memory (save %s) in %.2fs", checkpoint.path, save_id[:8], time.perf_counter() - started)
     return True
 
@@ -124,16 +146,18 @@ def _look(memory_dir: str, root: str, group: Ranks, wait_s: float) -> tuple[list
     copies: list[MemoryCopy] = []
     try:
         copies = read_copies(memory_dir, root, group.size, time.monotonic() + wait_s)
-        mine = Seen(copies[0].step, copies[0].token, copies[0].memory_only)
+        own = copies[group.rank]
+        base = None if own.base_step is None else Base(own.base_step, own.base_token)
+        mine = Seen(own.step, own.token, own.memory_only, root_id=own.root_id, base=base)
     except NotACopy as exc:
         mine = Seen(problem=str(exc))
     return copies, group.all_gather(mine)
 
 
 def _load_copy(state_dict: dict[str, Any], copies: list[MemoryCopy], memory_dir: str, group: Ranks, trusted: bool,
-               what: str) -> bool:
-    """Load the copies into `state_dict`; False (with a WARNING) when they do not load: a
-    checksum mismatch, say. The disk's load then overwrites every entry."""
+               what: str) -> bool | str:
+    """Load the copies into `state_dict`: True; else (with a WARNING: a checksum mismatch, say)
+    False, or "touched" when the failed load had changed the state already."""
     try:
         metadata, checksums = rebuild_metadata(copies)
         reader = MemoryReader(memory_dir, metadata, checksums, trusted)
@@ -141,7 +165,7 @@ def _load_copy(state_dict: dict[str, Any], copies: list[MemoryCopy], memory_dir:
              storage_reader=reader)
     except (CheckpointError, ValueError, KeyError, TypeError) as exc:
         log.warning("memory tier: %s did not load (%s); loading from disk", what, exc)
-        return False
+        return "touched" if isinstance(exc, PartialLoadError) else False
     return True
 
 
@@ -181,30 +205,26 @@ def _read_waiting(path: str, deadline: float) -> MemoryCopy:
         time.sleep(0.05)
 
 
-def decide(seen: list[Seen], root: str) -> Decision:
-    """The coordinator's choice between the memory copy every rank saw and the disk's newest."""
+def decide(seen: list[Seen], root: str, history: Optional[RootHistory]) -> Decision:
+    """The coordinator's choice between the memory copy every rank saw and the disk: the same
+    save and the same history on every rank, and the history rule (loading/history.py)."""
+    newest = newest_committed(root) if history is not None else None
     problems = [f"rank {r}: {s.problem}" for r, s in enumerate(seen) if s.problem is not None]
     if problems:
         quiet = all(s.problem == NO_COPY for s in seen)
-        return Decision(False, why="" if quiet else "; ".join(problems[:4]), warn=not quiet)
+        return Decision(False, why="" if quiet else "; ".join(problems[:4]), warn=not quiet, newest=newest)
     saves = {(s.step, s.token) for s in seen}
     if len(saves) > 1:
-        return Decision(False, why=f"the ranks hold different saves: {sorted(saves)[:4]}", warn=True)
+        return Decision(False, why=f"the ranks hold different saves: {sorted(saves)[:4]}", warn=True, newest=newest)
     step, token = seen[0].step, seen[0].token
-    newest = latest_checkpoint(root)
-    if newest is None or step > newest.step:
-        return Decision(True, persist=not seen[0].memory_only)
-    if step == newest.step and token == _save_id(newest.path):
-        return Decision(True)
-    return Decision(False, why=f"its copy of step {step} is older than the committed step {newest.step}")
-
-
-def _save_id(path: str) -> Optional[str]:
-    try:
-        meta = read_metadata(path).storage_meta
-    except Exception:  # unreadable: not the memory copy's save, as far as anyone can tell
-        return None
-    return meta.save_id if meta is not None else None
+    strangers = [r for r, s in enumerate(seen) if (s.root_id, s.base) != (seen[0].root_id, seen[0].base)]
+    if strangers:
+        return Decision(False, drop=True, newest=newest,
+                        why=f"the copy of rank {strangers[0]} belongs to another history than rank 0's")
+    if history is None:
+        return Decision(False, why="this tier keeps no history (it restores only a save it is named)")
+    verdict = judge(root, history, newest, seen[0].root_id, seen[0].base, step, token)
+    return Decision(verdict.use, persist=verdict.persist, why=verdict.why, drop=not verdict.use, newest=newest)
 
 
 class MemoryReader(SafeReader):

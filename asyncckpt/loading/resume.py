@@ -48,12 +48,16 @@ class SkippedCheckpoint:
 class ResumeReport:
     """What `load_latest` resumed from, and the newer checkpoints it skipped as damaged (newest
     first). `source`: "disk" (a committed checkpoint, `path`) or "memory" (the memory tier's copy;
-    `path` is this rank's memory file)."""
+    `path` is this rank's memory file). `persisted` (from memory only): None when the copy was
+    committed already, False while it is newer than the disk, True once a save committed it
+    (`persisted_at`: that commit's time, time.time())."""
 
     step: int
     path: str
     skipped: tuple[SkippedCheckpoint, ...] = ()
     source: str = "disk"
+    persisted: Optional[bool] = None
+    persisted_at: Optional[float] = None
 
 
 def resume(

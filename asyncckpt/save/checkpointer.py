@@ -7,6 +7,7 @@ first finishes the previous, which keeps commits in order and lets one staging p
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -18,7 +19,8 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from ..config import CheckpointConfig
 from ..errors import CheckpointError
 from ..layout import METADATA_FILE, new_file_tag, save_directory
-from ..loading.resume import ResumeReport, resume
+from ..loading.restart import restart
+from ..loading.resume import ResumeReport
 from ..protocol import CACHE_SLOTS
 from ..report import SaveReport, publish
 from ..storage import is_remote, storage_for
@@ -276,24 +278,22 @@ class AsyncCheckpointer(InterruptedExit):
         intact checkpoint whose checksums sidecar is damaged)."""
         if self.root is None:
             raise CheckpointError("load_latest needs a checkpoint root: AsyncCheckpointer(root, ...)")
-        restored = self._memory.restore(state_dict, trusted) if self._memory is not None else None
-        report = restored.report if restored else resume(state_dict, self.root, self._group, trusted=trusted,
-                                                         strict=strict, checksums=checksums)
-        self.resume_report = report
+        restarted = restart(state_dict, self.root, self._group, self._memory, trusted=trusted, strict=strict,
+                            checksums=checksums)  # memory (the history rule), else the disk
+        report = self.resume_report = restarted.report
         if report is None:
             return None
-        if restored is None:
+        if report.source == "disk":
             self._incremental.resumed(report.path)  # the next save continues from it
-        elif restored.persist:  # newer than the disk: written and committed before training goes on
-            self.schedule_save(state_dict, step=report.step)
-            self._finish_in_flight(blocking=True)
+        elif restarted.persist and self.config.memory_persist_restored:  # newer than the disk: staged now,
+            self.schedule_save(state_dict, step=report.step)  # written and committed in the background
+            self._in_flight.persists_restore = True
         skipped = f", {len(report.skipped)} newer damaged checkpoints skipped" if report.skipped else ""
         log.info("resumed from %s (step %d)%s", report.path, report.step, skipped)
         return report.step
 
     def resumed_from(self, path: str) -> None:
-        """Incremental: the next save reuses what it can of committed checkpoint `path`, which
-        the caller loaded itself (load_latest does this on its own)."""
+        """Incremental: the next save reuses what it can of committed checkpoint `path`, loaded by the caller."""
         self._incremental.resumed(path)
 
     @property
@@ -318,9 +318,8 @@ class AsyncCheckpointer(InterruptedExit):
         self._worker.ensure_alive()
 
     def take_folder_of(self, checkpoint_dir: str) -> None:
-        """Take the folder holding `checkpoint_dir` for this job now, as a save into it would (a
-        caller that holds a save to schedule it later, on another thread, learns at once that the
-        folder is another job's): CheckpointError naming the holder. One process saving alone."""
+        """Take the folder holding `checkpoint_dir` for this job now, as a save into it would: CheckpointError
+        naming the holder (a caller scheduling its save later learns it at once). One process saving alone."""
         self._check_open()
         self._folders.take(parent_folder(os.fspath(checkpoint_dir)), self.config.fsync,
                            f"the folder of checkpoint {os.fspath(checkpoint_dir)!r}")
@@ -356,7 +355,6 @@ class AsyncCheckpointer(InterruptedExit):
     def __exit__(self, *exc) -> None:
         self.close()
 
-    # save path -------------------------------------------------------------------------------
     def _finish_in_flight(self, blocking: bool) -> None:
         flight = self._in_flight
         if self._worker_free(wait=blocking) and flight.outcome is None:  # (a first save's hand-off sets it)
@@ -382,18 +380,22 @@ class AsyncCheckpointer(InterruptedExit):
         if not target.memory_only:
             self._incremental.committed(flight.step_dir, flight.outcome.written.items, verdict.save_id)
         report = flight.report(self.rank, verdict, flight.outcome, self._group.collectives)
+        if self._memory is not None:  # what the next copy descends from; a copy that could not be sealed
+            self._memory.committed(flight, verdict.save_id)
+        if flight.persists_restore:  # the copy restored from memory is on disk now
+            report = dataclasses.replace(report, persisted_restore=True)
+            self.resume_report = dataclasses.replace(self.resume_report, persisted=True, persisted_at=time.time())
         self._committed.append(report)
         publish(report, self.config.metrics_path, self.config.on_commit)
 
     @property
-    def in_flight_dir(self) -> Optional[str]:
-        """The directory the save in flight writes (None when no save is in flight)."""
+    def in_flight_dir(self) -> Optional[str]:  # the directory the save in flight writes (None: none in flight)
         return self._in_flight.step_dir if self._in_flight is not None else None
 
     @property
     def in_flight_base_dirs(self) -> tuple[str, ...]:
-        """Incremental: the checkpoints whose files the save in flight may reuse. Deleting one
-        meanwhile would only cost that save its reuse; waiting for the save keeps the reuse."""
+        """Incremental: the checkpoints whose files the save in flight may reuse (deleting one
+        meanwhile only costs that save its reuse)."""
         return self._in_flight.base_dirs if self._in_flight is not None else ()
 
     def _check_open(self) -> None:

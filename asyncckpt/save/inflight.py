@@ -40,6 +40,7 @@ class InFlightSave:
     memory: Optional[MemorySave] = None  # the memory tier's record of it (memory_only: not written)
     requests_before: dict = field(default_factory=dict)  # this process's object-store requests before the save
     data_folder: str = ""  # this rank's data files go in this folder of step_dir (layout.py: prefix spreading)
+    persists_restore: bool = False  # it writes the copy load_latest restored from memory (newer than the disk)
     hand_off: Optional[Any] = None  # a first save's first_save.HandOff: the worker is its thread's until it ends
 
     def report(self, rank: int, verdict: Verdict, outcome: RankOutcome, collectives_now: int) -> SaveReport:

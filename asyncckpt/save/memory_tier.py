@@ -22,11 +22,13 @@ import torch.distributed as dist
 
 from ..config import CheckpointConfig
 from ..errors import CheckpointError
+from ..loading.history import Base, RootHistory, root_history
 from ..loading.memory_plan import encode_plan
-from ..loading.memory_tier import MemoryRestore, restore, restore_saved
+from ..loading.memory_tier import MemoryAttempt, restore, restore_saved
 from ..loading.opened import OpenCheckpoint
 from ..memory_file import PREFIX, SUFFIX, NotACopy, memory_file_name, owner_alive, read_copy, root_key
 from ..protocol import CACHE_SLOTS, MemorySave, MemoryTier as MemoryTierSettings
+from .inflight import InFlightSave
 from .planning import PlannedSave
 from .ranks import RankGroup
 
@@ -51,7 +53,18 @@ class MemoryTier:
         self.key = _tier_key(root, group)  # names its files and is recorded in their headers
         self.group = group
         self.path = os.path.join(directory, memory_file_name(self.key, group.rank))
-        self._instance = group.broadcast(uuid.uuid4().hex)  # every rank's save ids agree without a collective
+        history: Optional[RootHistory] | str = None  # a door's tier has none: it restores only a save it names
+        if self.keyed_by_root and group.is_coordinator:
+            try:
+                history = root_history(root, config.fsync)
+            except Exception as exc:  # every rank must get the answer
+                history = f"memory tier: the history id of root {root!r} cannot be read or written: {exc}"
+        self._instance, history = group.broadcast((uuid.uuid4().hex, history))  # save ids agree without a collective
+        if isinstance(history, str):
+            raise CheckpointError(history)
+        self.history: Optional[RootHistory] = history
+        self.base: Optional[Base] = history.newest if history is not None else None  # what a copy staged now descends from
+        self.unpersisted: Optional[int] = None  # the step of a copy in the file that is newer than the disk
         self._saves = 0
         self._plans: dict[str, bytes] = {}  # by structure key
         remove_stale(directory, keep=memory_file_name(self.key, 0).rsplit("-rank", 1)[0] + "-rank")
@@ -71,12 +84,36 @@ class MemoryTier:
                 self._plans.clear()
             plan = self._plans[planned.structure_key] = encode_plan(planned.plan)
         token = hashlib.md5(f"{self._instance}:{self._saves}".encode()).hexdigest()
-        return MemorySave(step if step is not None else -1, token, memory_only, plan)  # a door's save may have none
+        self.unpersisted = step if step is not None else -1  # until a disk save of the root commits
+        base = self.base
+        return MemorySave(step if step is not None else -1, token, memory_only, plan,  # a door's save may have no step
+                          self.history.root_id if self.history else None, base and base.step, base and base.save_id)
 
-    def restore(self, state_dict: dict[str, Any], trusted: bool) -> Optional[MemoryRestore]:
-        """Load the memory copy when it is the one to resume from (see loading/memory_tier.py)."""
-        return restore(state_dict, self.root, self.config.memory_dir, self.group, trusted=trusted,
-                       wait_s=self.config.timeout_s, key=self.key)
+    def committed(self, flight: InFlightSave, save_id: Optional[str]) -> None:
+        """A save committed (a memory-only one: staged): a disk save of the root is the newest
+        committed checkpoint now, what the next copy descends from, and the copy is persisted."""
+        if flight.outcome.written is not None and flight.outcome.written.memory_problem:
+            log.warning("%s: %s; committed to disk only", flight.label, flight.outcome.written.memory_problem)
+        if flight.memory is None or flight.memory.memory_only:
+            return
+        self.unpersisted = None
+        if flight.name is not None and flight.step is not None:
+            self.base = Base(flight.step, save_id)
+
+    def attempt(self, state_dict: dict[str, Any], trusted: bool) -> MemoryAttempt:
+        """Load the memory copy when the history rule says it is the one to resume from
+        (loading/memory_tier.py); loading/restart.py calls this."""
+        attempt = restore(state_dict, self.root, self.config.memory_dir, self.group, trusted=trusted,
+                          wait_s=self.config.timeout_s, key=self.key, history=self.history)
+        if self.history is not None:  # the root as it is now (another process may have committed since)
+            self.base = attempt.newest
+        if attempt.restored is not None and attempt.restored.persist:
+            self.unpersisted = attempt.restored.report.step
+        return attempt
+
+    def drop(self) -> None:
+        """The copy belongs to another history and the disk load succeeded: it goes."""
+        self._remove()
 
     def load_saved(self, state_dict: dict[str, Any], checkpoint: OpenCheckpoint, trusted: bool) -> bool:
         """The doors' resumes: load the committed `checkpoint` from memory when this tier holds its
@@ -84,10 +121,18 @@ class MemoryTier:
         return restore_saved(state_dict, checkpoint, self.key, self.config.memory_dir, self.group, trusted=trusted)
 
     def close(self) -> None:
-        """A clean close removes this rank's file, unless memory_keep; so does no exit that follows
-        an uncaught exception (at_exit closes then): that is a crash, whose copy a restart needs."""
+        """A clean close removes this rank's file, unless memory_keep, or its copy is newer than
+        the disk (never dropped before it is persisted); so does no exit that follows an uncaught
+        exception (at_exit closes then): that is a crash, whose copy a restart needs."""
         if self.config.memory_keep or getattr(sys, "last_value", None) is not None:
             return
+        if self.unpersisted is not None:
+            log.info("memory tier: keeping %s: its copy of step %d is newer than the disk (the next start restores "
+                     "it)", self.path, self.unpersisted)
+            return
+        self._remove()
+
+    def _remove(self) -> None:
         try:
             os.unlink(self.path)
         except FileNotFoundError:

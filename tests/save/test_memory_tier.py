@@ -34,7 +34,8 @@ def state_at(step: int) -> dict:
 
 
 def config(memory_dir, **kw) -> CheckpointConfig:
-    return CheckpointConfig(memory_tier=True, memory_dir=str(memory_dir), worker_nice=None, worker_ionice=None,
+    kw.setdefault("memory_tier", True)
+    return CheckpointConfig( memory_dir=str(memory_dir), worker_nice=None, worker_ionice=None,
                             timeout_s=60.0, **kw)
 
 
@@ -55,7 +56,7 @@ def resume(root: str, memory_dir, **kw):
         return step, ckpt.resume_report, target
 
 
-def test_a_memory_only_save_is_restored_and_not_written(tmp_path):
+def test_a_memory_only_save_is_restored_then_persisted_in_the_background(tmp_path):
     root, shm = str(tmp_path / "ckpt"), tmp_path / "shm"
     shm.mkdir()
     save_then_keep(root, shm, [1], 2)
@@ -63,11 +64,31 @@ def test_a_memory_only_save_is_restored_and_not_written(tmp_path):
     copy = read_copy(str(shm / memory_file_name(root, 0)))
     assert (copy.step, copy.memory_only) == (2, True)
     assert oct(os.stat(copy.path).st_mode & 0o777) == "0o600"
-    step, report, target = resume(root, shm)
-    assert (step, report.source) == (2, "memory")
+    target = zeros_like_state(state_at(0))
+    with AsyncCheckpointer(root, config(shm)) as ckpt:
+        assert ckpt.load_latest(target) == 2
+        assert (ckpt.resume_report.source, ckpt.resume_report.persisted) == ("memory", False)
+        assert_state_equal(target, state_at(2))
+        target["w"]["a"].add_(1)  # training goes on at once: the persist wrote the restored values
+        reports = ckpt.finalize(blocking=True)
+        assert [(r.step, r.persisted_restore) for r in reports] == [(2, True)]
+        assert ckpt.resume_report.persisted and ckpt.resume_report.persisted_at is not None
+    assert read_latest_marker(root) == "step_00000002"
+    assert verify_checkpoint(os.path.join(root, "step_00000002")) == []
+    assert not os.listdir(shm)  # persisted: a clean close removes the file
+    step, report, target = resume(root, shm, memory_tier=False)
+    assert (step, report.source) == (2, "disk")
     assert_state_equal(target, state_at(2))
-    assert read_latest_marker(root) == "step_00000001"  # memory-only: persisted by the next disk save
-    assert not os.listdir(shm)  # a clean close removes the file
+
+
+def test_a_restored_copy_not_persisted_on_request_stays_in_memory(tmp_path):
+    root, shm = str(tmp_path / "ckpt"), tmp_path / "shm"
+    shm.mkdir()
+    save_then_keep(root, shm, [1], 2)
+    step, report, target = resume(root, shm, memory_persist_restored=False)
+    assert (step, report.source, report.persisted) == (2, "memory", False)
+    assert read_latest_marker(root) == "step_00000001"  # the next disk save persists it
+    assert os.listdir(shm)  # newer than the disk: a clean close keeps it
 
 
 def corrupt(path: str, how: str) -> None:
