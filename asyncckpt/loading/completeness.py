@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
@@ -51,15 +51,23 @@ def expand_statefuls(state_dict: dict[str, Any]) -> dict[str, Any]:
     return {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state_dict.items()}
 
 
-def receive_everything(target: dict[str, Any], metadata: Metadata, path: str, strict: bool) -> Filled:
+def receive_everything(target: dict[str, Any], metadata: Metadata, path: str, strict: bool,
+                       gather: Optional[Callable[[Any], list]] = None) -> Filled:
     """Make `target` (expanded) able to receive every saved entry under the keys it names, or
-    raise CheckpointError naming those it cannot (with `strict=False`: load what it can)."""
+    raise CheckpointError naming those it cannot (with `strict=False`: load what it can).
+    `gather`: an all_gather over the loading ranks (None: this process loads alone). An entry
+    another rank's target holds (a rank's own entries, e.g. `dataloader.dp_rank_3`) is received:
+    every rank reaches the same verdict, at one small collective (two when an entry lacks)."""
     filled = Filled()
     if strict:
         _fill_optimizer_states(target, metadata, filled)
     held = set(flatten_state_dict(target)[0])
     saved = metadata.state_dict_metadata
-    lacking = [fqn for fqn in saved if fqn not in held and _named(target, fqn)]
+    lacking = {fqn for fqn in saved if fqn not in held and _named(target, fqn)}
+    if gather is not None:
+        lacking = set().union(*gather(sorted(lacking)))
+        if lacking:  # every rank agrees it is so: each says which of them it holds
+            lacking -= set().union(*gather(sorted(lacking & held)))
     if lacking and strict:
         filled.undo()
         shown = ", ".join(sorted(lacking)[:8]) + (f" and {len(lacking) - 8} more" if len(lacking) > 8 else "")
@@ -70,7 +78,7 @@ def receive_everything(target: dict[str, Any], metadata: Metadata, path: str, st
     if lacking:
         log.info("loading %s partly (strict=False): %d saved entries left out", path, len(lacking))
     left_out = sorted({fqn.partition(".")[0] for fqn in saved if fqn not in held and not _named(target, fqn)})
-    if left_out:
+    if left_out and gather is None:
         log.info("loading %s: saved entries under %s not loaded (the target does not name them)",
                  path, ", ".join(left_out[:8]))
     return filled

@@ -67,14 +67,15 @@ def load(
         reader = SafeReader(opened, trusted=trusted, checksums=checksums, ring_bytes=ring_bytes)
     else:
         opened, reader = None, storage_reader
+    use_dist = not no_dist and dist.is_available() and dist.is_initialized()
     target = expand_statefuls(state_dict)
-    filled = receive_everything(target, reader.read_metadata(), path, strict)
+    gather = _all_gather(process_group) if use_dist and dist.get_world_size(process_group) > 1 else None
+    filled = receive_everything(target, reader.read_metadata(), path, strict, gather)
     if verify and opened is not None:
         problems = verify_checkpoint(opened)
         if problems:
             filled.undo()
             raise CheckpointError(f"{path!r} failed verification: " + "; ".join(problems[:5]))
-    use_dist = not no_dist and dist.is_available() and dist.is_initialized()
     try:
         with warnings.catch_warnings():  # one process is what we mean: DCP's warning says nothing
             warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
@@ -99,6 +100,14 @@ def load(
         if reader.touched:  # this rank's tensors were being written (or were, and another rank failed)
             raise PartialLoadError(f"loading {path!r} failed: {causes}; {PARTLY_LOADED}") from exc
         raise CheckpointError(f"loading {path!r} failed: {causes}; {NOT_CHANGED}") from exc
+
+
+def _all_gather(group):
+    def gather(obj):
+        out = [None] * dist.get_world_size(group)
+        dist.all_gather_object(out, obj, group=group)
+        return out
+    return gather
 
 
 def _describe(exc: BaseException) -> str:
