@@ -2,8 +2,7 @@
 
 Exit codes: 0 ok, 1 damage found, 2 usage, 3 missing path, 4 not a checkpoint root/directory,
 5 torn (never committed), 6 unreadable metadata or sidecar, 70 internal error; `bench` returns
-the script's own. `verify` of a checkpoint without a checksums sidecar (stock `dcp.save`,
-`checksums=False`) reads every item back and says it had no checksums: 0 when all read back whole."""
+the script's own. `verify` without a checksums sidecar (stock `dcp.save`) reads items back: 0 if whole."""
 
 from __future__ import annotations
 
@@ -25,8 +24,7 @@ from ..storage import Storage, storage_for
 
 EXIT_DAMAGED, EXIT_USAGE, EXIT_MISSING, EXIT_NOT_CHECKPOINT, EXIT_TORN, EXIT_UNREADABLE = 1, 2, 3, 4, 5, 6
 EXIT_INTERNAL = 70  # an unexpected exception (a bug): traceback on stderr
-CHECKOUT = Path(__file__).resolve().parents[2]  # the source checkout this package is in, if it is in one
-BENCH_SCRIPT = CHECKOUT / "benchmarks" / "bench_save.py"
+BENCH_SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_save.py"  # in a source checkout
 BENCH_LOAD_SCRIPT = BENCH_SCRIPT.with_name("bench_load.py")
 CLI_TRUST_HINT = "pass --trusted (inspect, verify) to opt into full unpickling, only for checkpoints whose author you trust"
 
@@ -272,8 +270,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         except CheckpointError as exc:
             raise CliError(str(exc), EXIT_UNREADABLE) from None
         if not sidecar_belongs_to(sidecar, metadata):
-            raise CliError(f"{file} belongs to another save of this step (an interrupted re-save); cannot verify",
-                           EXIT_UNREADABLE)
+            raise CliError(f"{file} belongs to another save of this step (an interrupted re-save); cannot verify", EXIT_UNREADABLE)
     progress = _Progress(sum(info.length for info in (metadata.storage_data or {}).values()), enabled=not args.quiet)
     damaged, unchecked, total = 0, 0, 0
     for item in check_items(storage, path, metadata, sidecar, progress.advance):
@@ -283,14 +280,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
             progress.clear()
             print(f"DAMAGED {item.relative_path}: {item.name}: {item.problem}", flush=True)
     progress.finish()
-    note = f" ({unchecked} without a checksum: only read back)" if unchecked else ""
-    if file is None:
-        note = f" (it has no {CHECKSUMS_FILE}: no checksums to check, every item read back)"
+    note = f" ({unchecked} without a checksum: only read back)" if unchecked and file is not None else ""
+    note = f" (it has no {CHECKSUMS_FILE}: no checksums to check, every item read back)" if file is None else note
     if damaged:
         print(f"{path}: {damaged} of {total} items damaged{note}")
         return EXIT_DAMAGED
-    verified = "read back whole" if file is None else "verified"
-    print(f"{path}: OK, {total} items, {_size(progress.done)} {verified}{note}")
+    print(f"{path}: OK, {total} items, {_size(progress.done)} {'read back whole' if file is None else 'verified'}{note}")
     return 0
 
 
@@ -326,9 +321,8 @@ def cmd_bench(argv: list[str]) -> int:
     script = BENCH_LOAD_SCRIPT if argv[:1] == ["load"] else BENCH_SCRIPT
     argv = argv[1:] if argv[:1] == ["load"] else argv
     if not script.is_file():
-        print(f"asyncckpt bench: error: the benchmarks are not installed with the package ({script} is not there); "
-              "run it from a source checkout of asyncckpt (e.g. `make bench`, or `python -m asyncckpt bench` "
-              "with that checkout on PYTHONPATH)", file=sys.stderr)
+        print(f"asyncckpt bench: error: the benchmarks are not installed with the package ({script} is not there); run it "
+              "from a source checkout (`make bench`, or `python -m asyncckpt bench` with it on PYTHONPATH)", file=sys.stderr)
         return EXIT_MISSING
     try:
         code = subprocess.call([sys.executable, str(script), *argv])
@@ -353,8 +347,7 @@ def build_parser() -> argparse.ArgumentParser:
     inspect = _command(sub, cmd_inspect, "PATH", where, "list every tensor and object in a checkpoint",
                        "Every tensor and object of a committed checkpoint: dtype, shape, size, stored bytes, file.")
     verify = _command(sub, cmd_verify, "PATH", where, "re-read every item and check its checksum",
-                      "Re-read every item of a committed checkpoint and check its checksum (CRC32C) from .checksums.json; exit 1 on damage. "
-                      "A checkpoint without .checksums.json (stock dcp.save) has every item read back, whole or not.")
+                      "Re-read every item of a committed checkpoint and check its checksum (CRC32C) from .checksums.json (none, e.g. stock dcp.save: read back); exit 1 on damage.")
     verify.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     export = sub.add_parser("export", help="write a checkpoint's model as a Hugging Face save_pretrained folder",
                             description="Write the model part of a checkpoint (asyncckpt's or any stock DCP one) as "

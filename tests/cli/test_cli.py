@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -285,8 +286,11 @@ def test_bench_passes_every_argument_through_and_returns_its_exit_code(tmp_path,
     assert cli.main(["bench"]) == cli.EXIT_MISSING
 
 
+REPO_PATH = Path(REPO).resolve()
+
+
 def test_bench_scripts_are_found_in_this_checkout_and_a_missing_one_says_where_to_run_it(tmp_path, monkeypatch, capsys):
-    assert cli.BENCH_SCRIPT == cli.CHECKOUT / "benchmarks" / "bench_save.py" and cli.BENCH_SCRIPT.is_file()
+    assert cli.BENCH_SCRIPT == REPO_PATH / "benchmarks" / "bench_save.py" and cli.BENCH_SCRIPT.is_file()
     assert cli.BENCH_LOAD_SCRIPT.is_file()
     monkeypatch.setattr(cli, "BENCH_SCRIPT", tmp_path / "bench_save.py")  # as in an installed wheel
     assert cli.main(["bench"]) == cli.EXIT_MISSING
