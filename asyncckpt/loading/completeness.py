@@ -63,7 +63,8 @@ def receive_everything(target: dict[str, Any], metadata: Metadata, path: str, st
         _fill_optimizer_states(target, metadata, filled)
     held = set(flatten_state_dict(target)[0])
     saved = metadata.state_dict_metadata
-    lacking = {fqn for fqn in saved if fqn not in held and _named(target, fqn)}
+    keys = set(map(str, target))
+    lacking = {fqn for fqn in saved if fqn not in held and _named(target, fqn, keys)}
     if gather is not None:
         lacking = set().union(*gather(sorted(lacking)))
         if lacking:  # every rank agrees it is so: each says which of them it holds
@@ -77,16 +78,18 @@ def receive_everything(target: dict[str, Any], metadata: Metadata, path: str, st
         )
     if lacking:
         log.info("loading %s partly (strict=False): %d saved entries left out", path, len(lacking))
-    left_out = sorted({fqn.partition(".")[0] for fqn in saved if fqn not in held and not _named(target, fqn)})
+    left_out = sorted({fqn.partition(".")[0] for fqn in saved if fqn not in held and not _named(target, fqn, keys)})
     if left_out and gather is None:
         log.info("loading %s: saved entries under %s not loaded (the target does not name them)",
                  path, ", ".join(left_out[:8]))
     return filled
 
 
-def _named(target: dict[str, Any], fqn: str) -> bool:
+def _named(target: dict[str, Any], fqn: str, keys: Optional[set] = None) -> bool:
     """Whether a saved entry lies under a top-level key of the target (keys may hold dots)."""
-    return any(fqn == key or fqn.startswith(f"{key}.") for key in map(str, target))
+    keys = set(map(str, target)) if keys is None else keys
+    parts = fqn.split(".")
+    return any(".".join(parts[:n]) in keys for n in range(1, len(parts) + 1))
 
 
 def _fill_optimizer_states(target: Mapping, metadata: Metadata, filled: Filled, prefix: str = "") -> None:

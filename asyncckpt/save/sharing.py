@@ -4,6 +4,7 @@ them into shared memory, in place where torch allocated them, else as a copy eac
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import resource
@@ -171,6 +172,7 @@ def move_into_shared_memory(resolved, keep_old_pages: bool = False) -> dict[int,
                 storage.share_memory_()
                 return
             shared = torch.UntypedStorage._new_shared(storage.nbytes())  # as share_memory_ makes it
+            populate_for_writing(shared.data_ptr(), shared.nbytes())  # faulted in at once: the copy meets no fault
             _bytes_of(shared).copy_(_bytes_of(storage))  # (a tensor copy: the GIL is released)
             storage._swap_data_ptr_(shared)  # the storage has the shared pages now, `shared` the old ones
             kept[storage.data_ptr()] = shared
@@ -181,6 +183,16 @@ def move_into_shared_memory(resolved, keep_old_pages: bool = False) -> dict[int,
     with ThreadPoolExecutor(min(SHARE_THREADS, len(largest_first)), thread_name_prefix="asyncckpt-share") as pool:
         list(pool.map(move, largest_first))
     return kept
+
+
+MADV_POPULATE_WRITE = 23  # Linux 5.14; the worker faults its slab in the same way (worker/staging.py)
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def populate_for_writing(address: int, nbytes: int) -> bool:
+    """Fault in the pages of fresh memory at `address` in one call (several times faster than a
+    copy faulting them one by one); False where the kernel cannot (the copy then faults them)."""
+    return nbytes > 0 and _libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(nbytes), MADV_POPULATE_WRITE) == 0
 
 
 def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:

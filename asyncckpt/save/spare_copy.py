@@ -11,7 +11,6 @@ It is let go as soon as the worker has answered the preparation (no save needs i
 
 from __future__ import annotations
 
-import ctypes
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -19,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from .sharing import SHM_HEADROOM_BYTES, shm_bytes, shm_free_bytes
+from .sharing import SHM_HEADROOM_BYTES, populate_for_writing, shm_bytes, shm_free_bytes
 from .snapshot import Snapshot
 
 ALIGN = 64  # bytes: where each tensor's copy starts in the copy's one buffer
@@ -83,7 +82,6 @@ class SpareCopy:
             self._buffer, self._wanted = None, False
 
 
-MADV_POPULATE_WRITE = 23  # Linux 5.14; the worker's slab is faulted in the same way (worker/staging.py)
 FAULT_CHUNK = 64 << 20
 FAULT_THREADS = max(2, min(8, os.cpu_count() or 1))
 
@@ -91,11 +89,10 @@ FAULT_THREADS = max(2, min(8, os.cpu_count() or 1))
 def _fault_in(buffer: torch.Tensor) -> None:
     """Fault in every page of `buffer` in chunks on several threads (one faults about 1 GB/s);
     madvise where the kernel can, else by writing the chunk (its contents do not matter yet)."""
-    libc = ctypes.CDLL(None, use_errno=True)
 
     def fault(start: int) -> None:
         chunk = buffer[start:start + FAULT_CHUNK]
-        if libc.madvise(ctypes.c_void_p(chunk.data_ptr()), ctypes.c_size_t(chunk.numel()), MADV_POPULATE_WRITE) != 0:
+        if not populate_for_writing(chunk.data_ptr(), chunk.numel()):
             chunk.fill_(0)
 
     with ThreadPoolExecutor(FAULT_THREADS, thread_name_prefix="asyncckpt-spare-fault") as pool:
