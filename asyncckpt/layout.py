@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import logging
 import os
+import operator
 import re
 import uuid
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 from .storage import Storage, storage_for
 
@@ -109,18 +110,31 @@ def remove_empty_data_folders(storage: Storage, step_dir: str) -> None:
             storage.remove_empty_dir(storage.join(step_dir, name))
 
 
-def save_directory(root: Optional[str], step: Optional[int], checkpoint_dir: Optional[str]) -> tuple[Optional[str], str]:
-    """Where a save goes, after checking its arguments: (the step directory's name, or None for a
-    `checkpoint_dir` the caller named; the directory written)."""
-    if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
+def as_step(step: Any) -> int:
+    """A step as an int. Integral scalars count (NumPy ints, a one-element integer tensor: what
+    training loops often count with); bools, floats and negatives are refused."""
+    try:
+        value = operator.index(step) if not isinstance(step, bool) else None
+    except TypeError:
+        value = None
+    if value is None or value < 0:
         raise ValueError(f"step must be a non-negative integer, not {step!r}")
+    return value
+
+
+def save_directory(
+    root: Optional[str], step: Any, checkpoint_dir: Optional[str]
+) -> tuple[Optional[int], Optional[str], str]:
+    """Where a save goes, after checking its arguments: (the step as an int (`as_step`), or None;
+    the step directory's name, or None for a `checkpoint_dir` the caller named; the directory written)."""
+    step = None if step is None else as_step(step)
     if checkpoint_dir is not None:
-        return None, os.fspath(checkpoint_dir)
+        return step, None, os.fspath(checkpoint_dir)
     if step is None:
         raise ValueError("schedule_save needs a step (saved as ROOT/step_N) or a checkpoint_dir")
     if root is None:
         raise ValueError("schedule_save(step=...) needs a checkpoint root: AsyncCheckpointer(root, ...)")
-    return step_dir_name(step), storage_for(root).join(root, step_dir_name(step))
+    return step, step_dir_name(step), storage_for(root).join(root, step_dir_name(step))
 
 
 def is_safetensors_file(name: str) -> bool:

@@ -17,7 +17,7 @@ class SaveReport:
 
     step: Optional[int]  # None for a save into a directory the caller named without a step
     rank: int
-    path: str
+    path: str  # the checkpoint directory; a memory-only save: this rank's memory tier file
     bytes: int  # the checkpoint's size, every rank
     bytes_written: int  # of it, written by this save (less than `bytes` when incremental)
     blocked_s: float  # time schedule_save held the caller (includes waiting for the previous save)
@@ -49,16 +49,20 @@ class SaveReport:
 
 
 def publish(report: SaveReport, metrics_path: Optional[str], on_commit: Optional[Callable[[SaveReport], None]]) -> None:
-    log.info(
-        "%s %s: %.1f MB (%.1f MB written), blocked %.3fs, staging %.3fs, write %.3fs, commit %.3fs, "
-        "durable %.3fs (%.2f GB/s), worker %d%s%s",
-        "kept in memory only" if report.memory_only else "committed",
-        f"step {report.step}" if report.step is not None else report.path, report.bytes / 1e6,
-        report.bytes_written / 1e6,
-        report.blocked_s, report.staging_s, report.write_s, report.commit_s, report.durable_s, report.throughput_gbps, report.worker_pid,
-        ", cache hit" if report.cache_hit else "",
-        f", {report.request_count} requests, {report.retries} retries" if report.request_count else "",
-    )
+    where = f"step {report.step}" if report.step is not None else report.path
+    if report.memory_only:  # nothing written: no write, commit or throughput to speak of
+        log.info("kept in memory only (nothing written to disk) %s: %.1f MB in %s, blocked %.3fs, staging %.3fs, "
+                 "worker %d%s", where, report.bytes / 1e6, report.path, report.blocked_s, report.staging_s,
+                 report.worker_pid, ", cache hit" if report.cache_hit else "")
+    else:
+        log.info(
+            "committed %s: %.1f MB (%.1f MB written), blocked %.3fs, staging %.3fs, write %.3fs, commit %.3fs, "
+            "durable %.3fs (%.2f GB/s), worker %d%s%s",
+            where, report.bytes / 1e6, report.bytes_written / 1e6,
+            report.blocked_s, report.staging_s, report.write_s, report.commit_s, report.durable_s, report.throughput_gbps,
+            report.worker_pid, ", cache hit" if report.cache_hit else "",
+            f", {report.request_count} requests, {report.retries} retries" if report.request_count else "",
+        )
     # The save is committed already: a failing side channel is logged, never turned into a
     # failure of this save or of the next schedule_save.
     if metrics_path:

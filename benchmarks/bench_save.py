@@ -22,7 +22,9 @@ comparable even on a noisy shared disk (docs/benchmark.md):
 
 Per method: a first save right after the constructor, a fresh instance's first save after
 --train-s of training (asyncckpt calls prepare(state) before that training), and --saves
-steady-state saves. Figures: caller-blocked
+steady-state saves. Each row, and each fresh instance, starts on a fresh copy of the state (new
+tensors in ordinary memory, as in a new job: asyncckpt moves a state's tensors into shared memory
+at its first save, which a later row would otherwise find done). Figures: caller-blocked
 seconds, seconds to durable, throughput as a fraction of the raw-write ceiling measured in the same
 run (pooled, plus a probe written just before the method), peak extra PSS (trainer + descendants)
 over the state size, and the slowdown of a CPU compute loop while a save is in flight. A progress

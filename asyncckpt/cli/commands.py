@@ -2,7 +2,7 @@
 
 Exit codes: 0 ok, 1 damage found, 2 usage, 3 missing path, 4 not a checkpoint root/directory,
 5 torn (never committed), 6 unreadable metadata or sidecar, 70 internal error; `bench` returns
-the script's own."""
+the script's own. `verify` without a checksums sidecar (stock `dcp.save`) reads items back: 0 if whole."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from ..storage import Storage, storage_for
 
 EXIT_DAMAGED, EXIT_USAGE, EXIT_MISSING, EXIT_NOT_CHECKPOINT, EXIT_TORN, EXIT_UNREADABLE = 1, 2, 3, 4, 5, 6
 EXIT_INTERNAL = 70  # an unexpected exception (a bug): traceback on stderr
-BENCH_SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_save.py"
+BENCH_SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_save.py"  # in a source checkout
 BENCH_LOAD_SCRIPT = BENCH_SCRIPT.with_name("bench_load.py")
 CLI_TRUST_HINT = "pass --trusted (inspect, verify) to opt into full unpickling, only for checkpoints whose author you trust"
 
@@ -254,20 +254,24 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     """The library's verifier (verify.check_items), with a progress bar and one line per damaged item."""
+    from ..formats import CHECKSUM_ALGORITHM, Sidecar
     from ..layout import CHECKSUMS_FILE
     from ..loading.verify import check_items, sidecar_belongs_to
 
     _, path = _checkpoint(args.path)
     opened = _open(path, args.trusted)
     storage, metadata, file = opened.storage, opened.metadata, opened.sidecar_file
-    if file is None:
-        raise CliError(f"{path}: no {CHECKSUMS_FILE} (saved with checksums=False?); cannot verify", EXIT_UNREADABLE)
-    try:
-        sidecar = opened.sidecar()
-    except CheckpointError as exc:
-        raise CliError(str(exc), EXIT_UNREADABLE) from None
-    if not sidecar_belongs_to(sidecar, metadata):
-        raise CliError(f"{file} belongs to another save of this step (an interrupted re-save); cannot verify", EXIT_UNREADABLE)
+    if file is None:  # stock dcp.save writes none: every item can still be read back whole
+        print(f"{path}: no {CHECKSUMS_FILE} (no checksums were saved: stock dcp.save or checksums=False); "
+              "reading every item back instead", file=sys.stderr)
+        sidecar = Sidecar(CHECKSUM_ALGORITHM, None, [])
+    else:
+        try:
+            sidecar = opened.sidecar()
+        except CheckpointError as exc:
+            raise CliError(str(exc), EXIT_UNREADABLE) from None
+        if not sidecar_belongs_to(sidecar, metadata):
+            raise CliError(f"{file} belongs to another save of this step (an interrupted re-save); cannot verify", EXIT_UNREADABLE)
     progress = _Progress(sum(info.length for info in (metadata.storage_data or {}).values()), enabled=not args.quiet)
     damaged, unchecked, total = 0, 0, 0
     for item in check_items(storage, path, metadata, sidecar, progress.advance):
@@ -277,11 +281,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
             progress.clear()
             print(f"DAMAGED {item.relative_path}: {item.name}: {item.problem}", flush=True)
     progress.finish()
-    note = f" ({unchecked} without a checksum: only read back)" if unchecked else ""
+    note = f" ({unchecked} without a checksum: only read back)" if unchecked and file is not None else ""
+    note = f" (it has no {CHECKSUMS_FILE}: no checksums to check, every item read back)" if file is None else note
     if damaged:
         print(f"{path}: {damaged} of {total} items damaged{note}")
         return EXIT_DAMAGED
-    print(f"{path}: OK, {total} items, {_size(progress.done)} verified{note}")
+    print(f"{path}: OK, {total} items, {_size(progress.done)} {'read back whole' if file is None else 'verified'}{note}")
     return 0
 
 
@@ -317,7 +322,8 @@ def cmd_bench(argv: list[str]) -> int:
     script = BENCH_LOAD_SCRIPT if argv[:1] == ["load"] else BENCH_SCRIPT
     argv = argv[1:] if argv[:1] == ["load"] else argv
     if not script.is_file():
-        print(f"asyncckpt bench: error: {script}: no such file (bench needs a source checkout)", file=sys.stderr)
+        print(f"asyncckpt bench: error: the benchmarks are not installed with the package ({script} is not there); run it "
+              "from a source checkout (`make bench`, or `python -m asyncckpt bench` with it on PYTHONPATH)", file=sys.stderr)
         return EXIT_MISSING
     try:
         code = subprocess.call([sys.executable, str(script), *argv])
@@ -330,7 +336,7 @@ def cmd_bench(argv: list[str]) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="asyncckpt",
-        description="Look into asyncckpt / PyTorch DCP checkpoints: list, inspect, verify; run the benchmark.",
+        description="Look into asyncckpt / PyTorch DCP checkpoints: list, inspect, verify, export; run the benchmarks.",
         epilog="exit codes: 0 ok, 1 damaged, 2 usage, 3 missing path, 4 not a checkpoint, 5 torn, 6 unreadable, 70 internal",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -342,7 +348,7 @@ def build_parser() -> argparse.ArgumentParser:
     inspect = _command(sub, cmd_inspect, "PATH", where, "list every tensor and object in a checkpoint",
                        "Every tensor and object of a committed checkpoint: dtype, shape, size, stored bytes, file.")
     verify = _command(sub, cmd_verify, "PATH", where, "re-read every item and check its checksum",
-                      "Re-read every item of a committed checkpoint and check its checksum (CRC32C) from .checksums.json; exit 1 on damage.")
+                      "Re-read every item of a committed checkpoint and check its checksum (CRC32C) from .checksums.json (none, e.g. stock dcp.save: read back); exit 1 on damage.")
     verify.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     export = sub.add_parser("export", help="write a checkpoint's model as a Hugging Face save_pretrained folder",
                             description="Write the model part of a checkpoint (asyncckpt's or any stock DCP one) as "

@@ -10,14 +10,14 @@ import logging
 import warnings
 from typing import Any, Optional
 
-import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.stateful import Stateful
 
 from ..errors import CheckpointError, PartialLoadError
 from ..formats import CHECKSUM_ALGORITHM, Sidecar
+from .completeness import expand_statefuls, receive_everything
 from .opened import OpenCheckpoint, as_open, read_metadata
 from .ring import check_ring_bytes
 from .safe_reader import SafeLoadPlanner, SafeReader
@@ -39,7 +39,7 @@ NOT_CHANGED = "nothing in state_dict was changed"
 def load(
     state_dict: dict[str, Any], path: str | OpenCheckpoint, *, verify: bool = False, trusted: bool = False,
     process_group=None, no_dist: bool = False, checksums: bool = True, ring_bytes: Optional[int] = None,
-    storage_reader: Optional[SafeReader] = None,
+    storage_reader: Optional[SafeReader] = None, strict: bool = True,
 ) -> None:
     """Load a committed checkpoint into `state_dict` in place (tensors are read into the
     existing tensors; resharding follows DCP). `path`: its directory, or the checkpoint already
@@ -52,7 +52,9 @@ def load(
     the host memory (pinned, for CUDA targets) that bytes not read straight into their target go
     through (default 256 MiB; a piece larger than a slot of 16 MiB takes one more buffer).
     `storage_reader`: a SafeReader of another source (the memory tier's), instead of the committed
-    checkpoint at `path`."""
+    checkpoint at `path`. `strict` (default): every saved entry under a key `state_dict` names
+    reaches it (a fresh optimizer's empty `state` receives its saved moments) or the load is
+    refused, naming the entries (completeness.py); `strict=False` loads only what it holds."""
     if verify and not checksums:
         raise ValueError("verify=True checks the checksums; it cannot go with checksums=False")
     check_ring_bytes(ring_bytes)
@@ -65,25 +67,34 @@ def load(
         reader = SafeReader(opened, trusted=trusted, checksums=checksums, ring_bytes=ring_bytes)
     else:
         opened, reader = None, storage_reader
-    check_no_stateless_optimizer(state_dict, reader.read_metadata(), path)
+    use_dist = not no_dist and dist.is_available() and dist.is_initialized()
+    target = expand_statefuls(state_dict)
+    gather = _all_gather(process_group) if use_dist and dist.get_world_size(process_group) > 1 else None
+    filled = receive_everything(target, reader.read_metadata(), path, strict, gather)
     if verify and opened is not None:
         problems = verify_checkpoint(opened)
         if problems:
+            filled.undo()
             raise CheckpointError(f"{path!r} failed verification: " + "; ".join(problems[:5]))
-    use_dist = not no_dist and dist.is_available() and dist.is_initialized()
     try:
         with warnings.catch_warnings():  # one process is what we mean: DCP's warning says nothing
             warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
             dcp.load(
-                state_dict,
+                target,
                 storage_reader=reader,
-                planner=SafeLoadPlanner(trusted),
+                planner=SafeLoadPlanner(trusted, allow_partial_load=not strict),
                 process_group=process_group,
                 no_dist=not use_dist,
             )
+        for key, value in state_dict.items():  # as dcp.load does with the Statefuls it is given
+            if isinstance(value, Stateful):
+                value.load_state_dict(target[key])
+            else:
+                state_dict[key] = target[key]
     except BaseException as exc:  # DCP's CheckpointException is a BaseException
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             raise
+        filled.undo()
         failures = exc.failures if isinstance(exc, CheckpointException) else {}
         if any(isinstance(e, KeyboardInterrupt) for e, _ in failures.values()):  # Ctrl-C, which DCP wrapped
             raise KeyboardInterrupt(f"loading {path!r}: {PARTLY_LOADED if reader.touched else NOT_CHANGED}") from exc
@@ -93,26 +104,16 @@ def load(
         raise CheckpointError(f"loading {path!r} failed: {causes}; {NOT_CHANGED}") from exc
 
 
+def _all_gather(group):
+    def gather(obj):
+        out = [None] * dist.get_world_size(group)
+        dist.all_gather_object(out, obj, group=group)
+        return out
+    return gather
+
+
 def _describe(exc: BaseException) -> str:
     return str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"
-
-
-def check_no_stateless_optimizer(state_dict: dict[str, Any], metadata: Metadata, path: str, prefix: str = "") -> None:
-    """DCP loads only the keys the target already has. A fresh optimizer has no state yet, so its
-    saved moments would be dropped without a word: refuse instead, saying what to do."""
-    for key, value in state_dict.items():
-        fqn = f"{prefix}{key}"
-        if isinstance(value, dict):
-            check_no_stateless_optimizer(value, metadata, path, f"{fqn}.")
-        elif isinstance(value, torch.optim.Optimizer) and not value.state:
-            saved = [k for k in metadata.state_dict_metadata if k.startswith(f"{fqn}.state.")]
-            if saved:
-                raise CheckpointError(
-                    f"{path!r}: the optimizer at {fqn!r} has no state yet, so its {len(saved)} saved state "
-                    "entries would be silently dropped; save and load model and optimizer through "
-                    "torch.distributed.checkpoint.state_dict.get_state_dict / set_state_dict (see docs/usage.md), "
-                    "or load after the optimizer's first step"
-                )
 
 
 def verify_checkpoint(path: str | OpenCheckpoint, trusted: bool = False) -> list[str]:
@@ -121,7 +122,8 @@ def verify_checkpoint(path: str | OpenCheckpoint, trusted: bool = False) -> list
     CheckpointError naming the file. `trusted` as for `load` (how `.metadata` is unpickled)."""
     opened = as_open(path, trusted=trusted)
     if opened.sidecar_file is None:
-        return [f"{opened.path}: no checksums sidecar (saved with checksums=False?)"]
+        return [f"{opened.path}: it has no checksums sidecar (written by stock dcp.save, or with checksums=False): "
+                "nothing to verify"]
     sidecar = opened.sidecar()
     if not sidecar_belongs_to(sidecar, opened.metadata):
         return [f"{opened.sidecar_file} belongs to another save of this step (an interrupted re-save); cannot verify"]

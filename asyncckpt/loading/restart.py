@@ -38,14 +38,16 @@ class Restart:
 
 
 def restart(state_dict: dict[str, Any], root: str, group: Any, memory: Optional[MemorySource], *, trusted: bool,
-            strict: bool, checksums: bool) -> Restart:
+            strict: bool, checksums: bool, allow_partial: bool = False) -> Restart:
     """Load what the job resumes from into `state_dict` (see the module's docstring)."""
-    attempt = memory.attempt(state_dict, trusted) if memory is not None else MemoryAttempt()
+    # allow_partial (a target that leaves saved entries out on purpose): the disk's copy, whose load checks it
+    attempt = memory.attempt(state_dict, trusted) if memory is not None and not allow_partial else MemoryAttempt()
     if attempt.restored is not None:
         report, persist = attempt.restored.report, attempt.restored.persist
         return Restart(dataclasses.replace(report, persisted=False) if persist else report, persist)
     try:
-        report = resume(state_dict, root, group, trusted=trusted, strict=strict, checksums=checksums)
+        report = resume(state_dict, root, group, trusted=trusted, strict=strict, checksums=checksums,
+                        allow_partial=allow_partial)
     except PartialLoadError:
         raise
     except CheckpointError as exc:

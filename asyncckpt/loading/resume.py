@@ -61,10 +61,12 @@ class ResumeReport:
 
 
 def resume(
-    state_dict: dict[str, Any], root: str, group: Ranks, *, trusted: bool, strict: bool, checksums: bool
+    state_dict: dict[str, Any], root: str, group: Ranks, *, trusted: bool, strict: bool, checksums: bool,
+    allow_partial: bool = False,
 ) -> Optional[ResumeReport]:
     """Load the newest committed checkpoint of `root` that loads into `state_dict` (None: there
-    is none). `strict`: only the one `latest` names, its failure raised as it is."""
+    is none). `strict`: only the one `latest` names, its failure raised as it is. `allow_partial`:
+    saved entries the state has no place for are left out instead of refused (`load`'s strict=False)."""
     candidates = resume_order(root)
     skipped: list[SkippedCheckpoint] = []
     touched = False
@@ -72,7 +74,8 @@ def resume(
         opened = None  # the checkpoint, opened once for its load and its damage check
         try:
             opened = open_checkpoint(info.path, trusted=trusted)
-            load(state_dict, opened, trusted=trusted, process_group=group.pg, checksums=checksums)
+            load(state_dict, opened, trusted=trusted, process_group=group.pg, checksums=checksums,
+                 strict=not allow_partial)
         except CheckpointError as exc:
             touched = touched or isinstance(exc, PartialLoadError)
             last = strict or n == len(candidates) - 1

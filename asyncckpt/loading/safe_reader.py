@@ -38,10 +38,11 @@ log = logging.getLogger(__name__)
 
 class SafeLoadPlanner(DefaultLoadPlanner):
     """DCP's default load planner, but objects are unpickled with `weights_only=True` unless
-    trusted (the stock planner unpickles them fully)."""
+    trusted (the stock planner unpickles them fully). `allow_partial_load`: entries of the target
+    the checkpoint lacks are left as they are instead of refused."""
 
-    def __init__(self, trusted: bool = False) -> None:
-        super().__init__()
+    def __init__(self, trusted: bool = False, allow_partial_load: bool = False) -> None:
+        super().__init__(allow_partial_load=allow_partial_load)
         self.trusted = trusted
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:

@@ -130,8 +130,8 @@ class AsyncCheckpointer(InterruptedExit):
         stage into the memory tier and write nothing; the next disk save persists the state.
         With several ranks every rank must call this at the same point."""
         self._check_open()
+        step, name, step_dir = save_directory(self.root, step, checkpoint_dir)  # step: an int from here on
         self._scheduling = f"step {step}" if checkpoint_dir is None else f"checkpoint {os.fspath(checkpoint_dir)!r}"
-        name, step_dir = save_directory(self.root, step, checkpoint_dir)
         if not isinstance(state_dict, dict):
             raise TypeError(f"state_dict must be a dict, not {type(state_dict).__name__}")
         if cache_slot not in range(CACHE_SLOTS) or type(cache_slot) is not int:
@@ -268,18 +268,19 @@ class AsyncCheckpointer(InterruptedExit):
         return reports
 
     def load_latest(
-        self, state_dict: dict[str, Any], *, trusted: bool = False, strict: bool = False, checksums: bool = True
+        self, state_dict: dict[str, Any], *, trusted: bool = False, strict: bool = False, checksums: bool = True,
+        allow_partial: bool = False,
     ) -> Optional[int]:
         """Load the newest committed checkpoint into `state_dict` in place; return its step, or
         None when there is none (a fresh start). A damaged one is skipped with a WARNING for the
         next older that loads (`resume_report` says which, and why); `strict=True` raises instead.
         Objects load with `weights_only=True` unless `trusted=True` (needed for e.g. custom
         classes or NumPy RNG states in the state). `checksums=False` checks no checksums (for an
-        intact checkpoint whose checksums sidecar is damaged)."""
+        intact checkpoint whose checksums sidecar is damaged). `allow_partial`: as `load`'s strict=False."""
         if self.root is None:
             raise CheckpointError("load_latest needs a checkpoint root: AsyncCheckpointer(root, ...)")
         restarted = restart(state_dict, self.root, self._group, self._memory, trusted=trusted, strict=strict,
-                            checksums=checksums)  # memory (the history rule), else the disk
+                            checksums=checksums, allow_partial=allow_partial)  # memory (the history rule), else the disk
         report = self.resume_report = restarted.report
         if report is None:
             return None
@@ -289,7 +290,8 @@ class AsyncCheckpointer(InterruptedExit):
             self.schedule_save(state_dict, step=report.step)  # written and committed in the background
             self._in_flight.persists_restore = True
         skipped = f", {len(report.skipped)} newer damaged checkpoints skipped" if report.skipped else ""
-        log.info("resumed from %s (step %d)%s", report.path, report.step, skipped)
+        if report.source == "disk":  # (the memory tier's restore says so itself)
+            log.info("resumed from %s (step %d)%s", report.path, report.step, skipped)
         return report.step
 
     def resumed_from(self, path: str) -> None:
@@ -379,7 +381,7 @@ class AsyncCheckpointer(InterruptedExit):
             raise CheckpointError(f"{flight.label} not committed: {verdict.error}")
         if not target.memory_only:
             self._incremental.committed(flight.step_dir, flight.outcome.written.items, verdict.save_id)
-        report = flight.report(self.rank, verdict, flight.outcome, self._group.collectives)
+        report = flight.report(self.rank, verdict, flight.outcome, self._group.collectives, self._memory)
         if self._memory is not None:  # what the next copy descends from; a copy that could not be sealed
             self._memory.committed(flight, verdict.save_id)
         if flight.persists_restore:  # the copy restored from memory is on disk now

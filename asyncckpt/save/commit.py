@@ -220,7 +220,7 @@ def _decide(storage: Storage, target: SaveTarget, own: RankOutcome, shares: list
     total = sum(s.bytes_written for s in shares)
     written_now = total - sum(s.bytes_linked for s in shares)
     retention = keep_last if target.name is not None else None
-    tidy = Tidy(root, target.step_dir, target.replaces, retention)
+    tidy = Tidy(root, target.step_dir, target.replaces, retention, checkpoint_bytes=written_now)
     return Decision(Verdict(True, None, total, time.perf_counter() - started, written_now, save_id), tidy)
 
 

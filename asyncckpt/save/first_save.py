@@ -1,4 +1,5 @@
-"""The first save to a worker that is still starting: hand it a private copy in the background.
+"""The first save to a worker that is still starting (or still busy with `prepare`): hand it a
+private copy in the background.
 
 A worker's start-up (an interpreter importing torch: about a second) has no earlier save to hide
 behind on the first save. So when a save finds its worker not ready, the trainer does its part as
@@ -8,6 +9,9 @@ which hold the values of the call (no copy made; where torch cannot swap a stora
 storage did not move, those tensors are copied into ordinary memory). A background thread packs
 that copy into one shared-memory segment, waits for the worker, sends it the save of the copy,
 then hands it the trainer's own tensors to keep, as `prepare` does, so the second save sends nothing.
+After `prepare`, a save that comes before the worker has answered it (start-up, slab) is handed
+over the same way, so that work never lands on it; its copy goes into memory `prepare` readied
+meanwhile (spare_copy.py), so the save costs about one warm copy of the state.
 
 Cost: one more copy of the state: in ordinary memory from the call (the pages the move would
 have freed), in shared memory from the hand-off until the worker has written that first save (it
@@ -30,8 +34,8 @@ from ..protocol import IncrementalBase
 from .rank_worker import RankWorker
 from .sharing import SHARE_THREADS, SHM_HEADROOM_BYTES, available_memory_bytes, shm_bytes, shm_free_bytes
 from .snapshot import Snapshot
+from .spare_copy import packed as _packed
 
-ALIGN = 64  # bytes: where each tensor's copy starts in the copy's one buffer
 EXTRA_BOUND_S = 60.0  # beyond the worker's start-up and its bounded answers: moving the copy into shared memory
 
 
@@ -66,7 +70,7 @@ class HandOff:
             copy, self._copy = _shared(self._copy), None
             self.worker.ensure_alive()  # a worker that died meanwhile is replaced here, off the trainer's path
             self.worker.send(self.flight, copy, bases, slot)
-            self.worker.prepare(own, slot)  # taken after the copy's save: the copy is let go then
+            self.worker.prepare(own, slot, spare=False)  # taken after the copy's save: the copy is let go then
             outcome = self.worker.outcome(self.flight, blocking=True)  # bounded; never raises
             self.worker.settle_preparation()  # the save is over once the worker holds the trainer's tensors
             self.flight.outcome = outcome
@@ -93,9 +97,11 @@ def copies_allowed(config: CheckpointConfig) -> bool:
 
 def may_hand_off(worker: RankWorker, slot: int) -> bool:
     """Whether a save in `slot` now would be handed over from a private copy (if its tensors allow:
-    `private_snapshot`): its worker is still starting and would be sent every tensor. Asked before
-    the snapshot, so that moving the trainer's tensors into shared memory keeps their old pages."""
-    return not worker.ready and worker.holds_nothing_in(slot)
+    `private_snapshot`): its worker is still starting and would be sent every tensor, or is still
+    busy with `prepare` (starting up, readying its slab: work that must not land on the save that
+    follows it). Asked before the snapshot, so that moving the trainer's tensors into shared
+    memory keeps their old pages."""
+    return (not worker.ready and worker.holds_nothing_in(slot)) or worker.preparing
 
 
 def private_snapshot(snapshot: Snapshot, worker: RankWorker, slot: int) -> Optional[Snapshot]:
@@ -114,7 +120,8 @@ def private_snapshot(snapshot: Snapshot, worker: RankWorker, slot: int) -> Optio
         return None
     if available is not None and 2 * total > available:  # no copy that would push the job towards swap or OOM
         return None
-    buffer = torch.empty(total, dtype=torch.uint8)
+    buffer = worker.take_spare(total)  # after prepare: memory faulted in meanwhile, already shared
+    buffer = torch.empty(total, dtype=torch.uint8) if buffer is None else buffer
     copies, pairs = [], []
     for tensor, pages, offset in zip(snapshot.tensors, old, offsets):
         if tensor is None:
@@ -137,6 +144,8 @@ def _shared(copy: Snapshot) -> Snapshot:
     """The copy packed into one shared-memory segment, where the worker can reach it: one
     descriptor however many tensors. Each tensor of the copy is let go once packed (the memory
     it was in goes with the last one in it), so the copy is not held twice."""
+    if all(t is None or t.untyped_storage().is_shared() for t in copy.tensors):
+        return copy  # copied into the spare (spare_copy.py): the worker maps it as it is
     offsets, total = _packed(copy.tensors)
     buffer = torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(max(total, 1)))
     packed, unpacked = [], copy.tensors  # the copy is this thread's alone
@@ -144,16 +153,6 @@ def _shared(copy: Snapshot) -> Snapshot:
         tensor, unpacked[pos] = unpacked[pos], None
         packed.append(None if tensor is None else _view(buffer, offset, tensor).copy_(tensor))
     return dataclasses.replace(copy, tensors=packed)
-
-
-def _packed(tensors: list[Optional[torch.Tensor]]) -> tuple[list[int], int]:
-    """Where each tensor starts in one buffer holding them all (None: takes no room), and its size."""
-    offsets, total = [], 0
-    for tensor in tensors:
-        offsets.append(total)
-        if tensor is not None:
-            total += -(-tensor.numel() * tensor.element_size() // ALIGN) * ALIGN
-    return offsets, total
 
 
 def _view(buffer: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tensor:

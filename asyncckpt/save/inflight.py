@@ -43,15 +43,16 @@ class InFlightSave:
     persists_restore: bool = False  # it writes the copy load_latest restored from memory (newer than the disk)
     hand_off: Optional[Any] = None  # a first save's first_save.HandOff: the worker is its thread's until it ends
 
-    def report(self, rank: int, verdict: Verdict, outcome: RankOutcome, collectives_now: int) -> SaveReport:
-        """The figures of this save, once committed."""
+    def report(self, rank: int, verdict: Verdict, outcome: RankOutcome, collectives_now: int, memory_tier) -> SaveReport:
+        """The figures of this save, once committed (a memory-only one names this rank's memory file)."""
+        memory_only = self.memory is not None and self.memory.memory_only
         durable_s = time.perf_counter() - self.started
         requests, commit_requests = dict(outcome.written.requests), COUNTER.since(self.requests_before)
         retries = requests.pop(RETRIES, 0) + commit_requests.pop(RETRIES, 0)
         return SaveReport(
             step=self.step,
             rank=rank,
-            path=self.step_dir,
+            path=memory_tier.path if memory_only else self.step_dir,
             bytes=verdict.total_bytes,
             bytes_written=verdict.written_bytes,
             blocked_s=self.blocked_s,
@@ -66,7 +67,7 @@ class InFlightSave:
             tensors_sent=self.tensors_sent,
             plan_reused=self.plan_reused,
             collectives=collectives_now - self.collectives_before,
-            memory_only=self.memory is not None and self.memory.memory_only,
+            memory_only=memory_only,
             retries=retries,
             requests=requests,
             commit_requests=commit_requests,

@@ -29,6 +29,7 @@ from ..loading.opened import OpenCheckpoint
 from ..memory_file import PREFIX, SUFFIX, NotACopy, memory_file_name, owner_alive, read_copy, root_key
 from ..protocol import CACHE_SLOTS, MemorySave, MemoryTier as MemoryTierSettings
 from .inflight import InFlightSave
+from .memory_dir import warn_unless_memory
 from .planning import PlannedSave
 from .ranks import RankGroup
 
@@ -48,6 +49,7 @@ class MemoryTier:
         directory = config.memory_dir
         if not os.path.isdir(directory) or not os.access(directory, os.W_OK | os.X_OK):
             raise CheckpointError(f"memory_tier: memory_dir {directory!r} is not a writable directory")
+        warn_unless_memory(directory)
         self.config = config
         self.root = root
         self.key = _tier_key(root, group)  # names its files and is recorded in their headers

@@ -24,6 +24,7 @@ from ..protocol import (
     CACHE_SLOTS, IncrementalBase, MemorySave, MemoryTier, Prepared, SaveFailed, SaveRequest, Staged, WorkerSettings, WriteDone,
 )
 from .snapshot import Snapshot
+from .spare_copy import SpareCopy
 from .holds import WorkerHolds, tensors_to_send
 
 log = logging.getLogger("asyncckpt")
@@ -39,6 +40,7 @@ class RankWorker:
         self._next_save_id = 0
         self._preparing: Optional[int] = None  # the id of a preparation not answered yet
         self._abandoned = False  # after Ctrl-C: the worker was killed, and no other may start
+        self._spare: Optional[SpareCopy] = None  # a first save's copy's memory, while it is under way
         self.start()  # spawn now, so the first save does not pay for the interpreter start
 
     @property
@@ -77,6 +79,7 @@ class RankWorker:
         self._client = WorkerClient(settings, self.config.worker_start_timeout_s)
         self._client.start()
         self._holds, self._preparing = [None] * CACHE_SLOTS, None
+        self._let_spare_go()
 
     def ensure_alive(self) -> None:
         """A worker that is gone (crashed, killed, or reset after a failure) is replaced."""
@@ -94,6 +97,7 @@ class RankWorker:
         if self._client is not None:
             self._client.kill() if kill else self._client.stop()
         self._client, self._holds, self._preparing = None, [None] * CACHE_SLOTS, None
+        self._let_spare_go()
 
     def stop(self) -> None:
         """Stop the worker and let go of the trainer's tensors it was tracking: a closed
@@ -117,17 +121,39 @@ class RankWorker:
             self._client.signal_kill()
 
     # preparation ---------------------------------------------------------------------------------
-    def prepare(self, snapshot: Snapshot, slot: int = 0) -> None:
+    def prepare(self, snapshot: Snapshot, slot: int = 0, spare: bool = True) -> None:
         """Hand the worker the structure and tensors of `snapshot` ahead of the first save, so it
-        readies its slab meanwhile (the answer is taken before the next save)."""
+        readies its slab meanwhile (the answer is taken before the next save). `spare`: ready the
+        memory of a private copy meanwhile, for a save that comes before the answer."""
         request = self.request_for(snapshot, "", "", (), slot, prepare_only=True)
         self._client.send(request, self.config.timeout_s)
         self._holds[request.slot] = WorkerHolds.of(snapshot)
         self._preparing = request.save_id
+        self._spare = SpareCopy.for_snapshot(snapshot) if spare else None
+
+    def take_spare(self, nbytes: int) -> Optional[torch.Tensor]:
+        """Memory for a private copy of `nbytes`, readied during a preparation (spare_copy.py), or None."""
+        spare, self._spare = self._spare, None
+        return spare.take(nbytes) if spare is not None else None
 
     def settle_preparation(self) -> None:
         """Take the answer to a preparation under way, if any (bounded; a failed one is logged)."""
         self._await_prepared()
+
+    @property
+    def preparing(self) -> bool:
+        """Whether a preparation is still under way: its answer not in yet (never waits)."""
+        if self._preparing is None or self._client is None:
+            return False
+        try:
+            answer = self._client.take(self._preparing, (Prepared, SaveFailed), 0)
+        except WorkerDiedError:
+            return False  # the next ensure_alive says so and starts another
+        if answer is None:
+            return True
+        self._preparing = None
+        self._took_preparation(answer)
+        return False
 
     def _await_prepared(self) -> None:
         """Take the answer to a preparation (waiting for it, bounded): a preparation that failed
@@ -141,6 +167,10 @@ class RankWorker:
             log.warning("rank %d: preparing the first save failed (%s); the save starts over", self.rank, exc)
             self.reset(kill=True)
             return
+        self._took_preparation(answer)
+
+    def _took_preparation(self, answer) -> None:
+        self._let_spare_go()
         if isinstance(answer, SaveFailed):
             log.warning("rank %d: preparing the first save failed (%s); the save starts over", self.rank,
                         self._describe_failure(answer))
@@ -148,6 +178,11 @@ class RankWorker:
         else:
             log.debug("rank %d: the worker prepared a %.1f MB slab in %.2fs", self.rank, answer.slab_bytes / 1e6,
                       answer.seconds)
+
+    def _let_spare_go(self) -> None:
+        if self._spare is not None:
+            self._spare.release()
+            self._spare = None
 
     # one save ------------------------------------------------------------------------------------
     def send(self, flight: InFlightSave, snapshot: Snapshot, bases: tuple[IncrementalBase, ...], slot: int = 0) -> None:

@@ -22,6 +22,7 @@ from ..layout import SIDECAR_NAME, is_checksums_part, is_data_file, list_files, 
 from ..loading.load import unreferenced_files, uploads_left_open
 from ..layout import METADATA_FILE, list_checkpoints, read_latest_marker
 from ..storage import Storage, storage_for
+from .disk_space import DiskSpaceWarning
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +39,7 @@ class Tidy:
     discard: bool = False  # remove the failed save's files here (see commit._failed)
     file_tag: str = ""  # as in commit.SaveTarget, for that removal
     owns_dir: bool = True
+    checkpoint_bytes: int = 0  # what the committed save added to the disk (the disk-space warning compares with it)
 
 
 class Janitor:
@@ -51,6 +53,7 @@ class Janitor:
         self._busy: Optional[str] = None  # the directory being deleted from right now
         self._thread: Optional[threading.Thread] = None
         self._closed = False
+        self._disk_space = DiskSpaceWarning()
 
     def claim(self, step_dir: str, timeout_s: float) -> None:
         """A save is about to write into `step_dir`: keep retention out of it until `finished`."""
@@ -135,6 +138,7 @@ class Janitor:
                 if free:
                     remove_replaced_files(storage_for(job.step_dir), job.step_dir)
         if job.keep_last is None:
+            self._disk_space.after_commit(job.root, job.checkpoint_bytes)
             return
         storage = storage_for(job.root)
         for path in retention_candidates(storage, job.root, job.keep_last):

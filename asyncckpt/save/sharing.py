@@ -4,6 +4,7 @@ them into shared memory, in place where torch allocated them, else as a copy eac
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import resource
@@ -227,6 +228,16 @@ def _swap_problem(storage, old_pages, old_ptr: int, new_ptr: int) -> Optional[st
         if not torch.equal(mine[start:start + _PAGE], theirs[start:start + _PAGE]):
             return f"bytes differ at offset {start}"
     return None
+
+
+MADV_POPULATE_WRITE = 23  # Linux 5.14; the worker faults its slab in the same way (worker/staging.py)
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def populate_for_writing(address: int, nbytes: int) -> bool:
+    """Fault in the pages of fresh memory at `address` in one call (several times faster than a
+    copy faulting them one by one); False where the kernel cannot (the copy then faults them)."""
+    return nbytes > 0 and _libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(nbytes), MADV_POPULATE_WRITE) == 0
 
 
 def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:

@@ -15,7 +15,7 @@ from .common import ALL_METHODS, MiB, Progress, Skip
 from .measure import ComputeLoop, PeakMemory, PeakSampler, family_pss, remove, short_error
 from .methods import DcpAsync, DcpSave, Memcpy, Method, RawWrite, TorchSave
 from .ours import AsyncCkpt, AsyncCkptS3
-from .state import describe_state, mutate
+from .state import describe_state, fresh_copy, mutate
 
 
 @dataclass
@@ -183,6 +183,7 @@ class Runner:
 
     def run(self, name: str) -> MethodResult:
         result = MethodResult(name, loadavg=os.getloadavg())
+        self.state = fresh_copy(self.state)  # each row's first save on a fresh state (the last row's goes)
         method = make_method(name, self.state, self.root, self.state_bytes)
         done_before = self.progress.done
         self.progress.update(label=f"{name} starting", force=True)
@@ -252,6 +253,7 @@ class Runner:
         """A fresh instance of the method: set up, its one-time work (asyncckpt: prepare), then
         `train_s` of the compute loop (a training loop before its first checkpoint), then its
         first save."""
+        self.state = fresh_copy(self.state)  # a fresh instance on a fresh state, as in a new job
         method = make_method(name, self.state, self.root, self.state_bytes)
         self.progress.update(label=f"{name} first save after {self.settings.train_s:.0f}s of training")
         try:

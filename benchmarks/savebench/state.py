@@ -57,6 +57,16 @@ def build_state(total_bytes: int, seed: int = 0) -> dict[str, Any]:
     }
 
 
+def fresh_copy(state: dict[str, Any]) -> dict[str, Any]:
+    """The same state in new tensors of ordinary memory: what a method's first save meets in a
+    new training job. (asyncckpt moves a state's CPU tensors into shared memory in place at its
+    first save; a later row on the same tensors would find them moved already.)"""
+    copy = dict(state)
+    for group in ("model", "optim"):
+        copy[group] = {name: tensor.clone() for name, tensor in state[group].items()}
+    return copy
+
+
 def state_tensors(state: dict[str, Any]) -> list[torch.Tensor]:
     """Every tensor of the state, in a stable order."""
     return [t for group in ("model", "optim") for t in state[group].values()]

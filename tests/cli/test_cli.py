@@ -10,9 +10,11 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 
 from asyncckpt import AsyncCheckpointer
 from asyncckpt.cli import commands as cli
@@ -228,6 +230,8 @@ def test_help_texts(capsys):
     assert exited.value.code == 0
     out = capsys.readouterr().out
     assert all(command in out for command in ("ls", "inspect", "verify", "bench", "exit codes"))
+    description = out.split("positional arguments")[0]
+    assert all(command in description for command in ("list", "inspect", "verify", "export", "benchmark"))
     for command in ("ls", "inspect", "verify"):
         with pytest.raises(SystemExit) as exited:
             cli.main([command, "--help"])
@@ -280,3 +284,29 @@ def test_bench_passes_every_argument_through_and_returns_its_exit_code(tmp_path,
 
     monkeypatch.setattr(cli, "BENCH_SCRIPT", tmp_path / "missing.py")
     assert cli.main(["bench"]) == cli.EXIT_MISSING
+
+
+REPO_PATH = Path(REPO).resolve()
+
+
+def test_bench_scripts_are_found_in_this_checkout_and_a_missing_one_says_where_to_run_it(tmp_path, monkeypatch, capsys):
+    assert cli.BENCH_SCRIPT == REPO_PATH / "benchmarks" / "bench_save.py" and cli.BENCH_SCRIPT.is_file()
+    assert cli.BENCH_LOAD_SCRIPT.is_file()
+    monkeypatch.setattr(cli, "BENCH_SCRIPT", tmp_path / "bench_save.py")  # as in an installed wheel
+    assert cli.main(["bench"]) == cli.EXIT_MISSING
+    err = capsys.readouterr().err
+    assert "not installed with the package" in err and "source checkout" in err and "make bench" in err
+
+
+def test_verify_of_a_stock_dcp_save_reads_every_item_back_and_says_it_has_no_checksums(tmp_path, capsys):
+    path = str(tmp_path / "stock")
+    dcp.save({"w": torch.arange(1000.0), "n": {"x": torch.ones(3)}, "obj": [1, "a"]}, checkpoint_id=path, no_dist=True)
+    result = run_in_process(capsys, "verify", "-q", path)
+    assert result.returncode == 0, result.stderr
+    assert "no .checksums.json" in result.stderr and "stock dcp.save" in result.stderr
+    assert "OK, 3 items" in result.stdout and "read back whole" in result.stdout and "no checksums" in result.stdout
+    data = next(os.path.join(path, n) for n in os.listdir(path) if n.endswith(".distcp"))
+    with open(data, "r+b") as f:  # cut short: an item no longer reads back whole
+        f.truncate(os.path.getsize(data) // 2)
+    result = run_in_process(capsys, "verify", "-q", path)
+    assert result.returncode == cli.EXIT_DAMAGED and "DAMAGED" in result.stdout, (result.stdout, result.stderr)

@@ -35,15 +35,31 @@ def save_and_change(ckpt: AsyncCheckpointer, state: dict, step: int):
 
 
 
-def test_the_first_save_after_prepare_sends_nothing_and_holds_the_values_of_its_call(ckpt_root):
+def test_the_first_save_after_a_finished_preparation_sends_nothing_and_holds_the_values_of_its_call(ckpt_root):
     state = make_state()
     with AsyncCheckpointer(ckpt_root) as ckpt:
         ckpt.prepare(state)
         for tensor in state["model"].values():  # training goes on between prepare and the save
             tensor.mul_(2.0)
+        ckpt._worker.settle_preparation()  # the worker has readied its slab: nothing is left to hide
         expected, report = save_and_change(ckpt, state, 1)
     assert report.tensors_sent == 0 and report.cache_hit and report.plan_reused, report
     assert_step_holds(ckpt_root, 1, expected)
+
+
+def test_a_save_during_the_preparation_is_handed_over_from_a_copy_and_the_next_sends_nothing(ckpt_root):
+    """What the worker has not finished (its start-up, its slab) does not land on a save that
+    comes right after prepare: it returns with a private copy, its values those of its call."""
+    state = make_state()
+    with AsyncCheckpointer(ckpt_root) as ckpt:
+        ckpt.prepare(state)
+        assert ckpt._worker.preparing  # a worker starts in a second or more: still under way
+        expected, report = save_and_change(ckpt, state, 1)
+        assert report.tensors_sent > 0  # the copy
+        expected2, report2 = save_and_change(ckpt, state, 2)
+    assert report2.tensors_sent == 0 and report2.cache_hit, report2
+    assert_step_holds(ckpt_root, 1, expected)
+    assert_step_holds(ckpt_root, 2, expected2)
 
 
 def test_a_state_reallocated_after_prepare_is_saved_from_its_new_tensors(ckpt_root):
@@ -86,12 +102,14 @@ def _prepared_ranks(rank: int, world: int, root: str) -> None:
     state["rank_only"] = {f"r{rank}": torch.full((8,), float(rank))}
     with AsyncCheckpointer(root) as ckpt:
         ckpt.prepare(state)
-        expected, report = save_and_change(ckpt, state, 1)
-        assert report.tensors_sent == 0, report
-    target = zeros_like_state(expected)
-    load(target, step_path(root, 1))
-    assert torch.equal(target["rank_only"][f"r{rank}"], expected["rank_only"][f"r{rank}"])
-    assert torch.equal(target["optim"]["m"], expected["optim"]["m"])
+        expected, report = save_and_change(ckpt, state, 1)  # a copy if the preparation is under way
+        expected2, report2 = save_and_change(ckpt, state, 2)
+        assert report2.tensors_sent == 0, report2
+    for step, values in ((1, expected), (2, expected2)):
+        target = zeros_like_state(values)
+        load(target, step_path(root, step))
+        assert torch.equal(target["rank_only"][f"r{rank}"], values["rank_only"][f"r{rank}"])
+        assert torch.equal(target["optim"]["m"], values["optim"]["m"])
 
 
 def test_prepare_on_two_ranks_then_a_consistent_first_save(tmp_path):
