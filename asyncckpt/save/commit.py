@@ -272,10 +272,10 @@ def _failed(storage: Storage, target: SaveTarget, error: str, ranks_wait: bool,
     (deleting on a slow store must not outlast their collective timeout), else at once, so they
     are gone when the error is raised. Its multipart uploads left open go on that thread too.
     Nothing goes when the folder is another job's now (its save may be writing that directory)."""
-    lost = _ownership_lost(confirm_owner, target.step_dir)
-    if lost is not None:
-        return Decision(Verdict(False, f"{error}; {lost}"))
-    if not ranks_wait:
+    if not ranks_wait:  # (else the retention thread confirms it before it deletes)
+        lost = _ownership_lost(confirm_owner, target.step_dir)
+        if lost is not None:
+            return Decision(Verdict(False, f"{error}; {lost}"))
         discard_uncommitted(storage, target.step_dir, target.file_tag, target.owns_dir)
     root = target.root if target.name is not None else None
     tidy = Tidy(root, target.step_dir, committed=False, discard=ranks_wait, file_tag=target.file_tag,

@@ -1,7 +1,8 @@
 """One job per checkpoint folder: two jobs saving into one root would overwrite each other's
 checkpoints, each reporting its saves as committed. So a checkpointer takes its root for its job
 when it is constructed (and, for a save into a directory it names, the folder holding that
-directory, at the first such save), and a second job gets a CheckpointError naming the holder.
+directory, or the directory itself in a shared folder such as /tmp: `folder_to_lock`, at the first
+such save), and a second job gets a CheckpointError naming the holder.
 
 - Local and shared filesystems: `FOLDER/.asyncckpt.lock`, held with `flock` until release (the
   kernel releases it when the process dies, so a crashed job never blocks its restart). The file
