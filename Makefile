@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv install test test-here example example-ddp example-lightning example-transformers bench bench-load bench-doors bench-lightning bench-incremental bench-memory-tier bench-transformers bench-scale bench-gpu lint clean
+.PHONY: venv install test test-here test-torch torch-venv example example-ddp example-lightning example-transformers bench bench-load bench-doors bench-lightning bench-incremental bench-memory-tier bench-transformers bench-scale bench-gpu lint clean
 
 venv: $(STAMP)
 
@@ -27,6 +27,33 @@ install: venv
 TEST_PROCESSES ?= 2
 test: venv
 	$(PY) -m pytest -q -ra -n $(TEST_PROCESSES) $(PYTEST_ARGS)
+
+# The suite against another torch, in a venv of its own (.venv-torch-X, beside .venv, which keeps its
+# pinned torch): `make test-torch TORCH=2.15.0`. Torch comes from TORCH_INDEX (PyTorch's CPU wheels)
+# when that answers; where it does not (only PyPI reachable), from the default index: PyPI's (CUDA)
+# build, which runs the CPU suite too. TORCH_PIP_ENV: the torch asked for wins over a site-wide pip
+# constraint that caps torch (`constraint =` in a pip.conf); empty it to keep that constraint.
+TORCH ?= 2.15.0
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+TORCH_PIP_ENV ?= PIP_CONSTRAINT=/dev/null
+TORCH_VENV := .venv-torch-$(TORCH)
+
+torch-venv: $(TORCH_VENV)/.installed
+
+.venv-torch-%/.installed: pyproject.toml
+	$(PYTHON) -m venv .venv-torch-$*
+	.venv-torch-$*/bin/python -m pip install --quiet --upgrade pip
+	if $(PYTHON) -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1] + "/torch/", timeout=10)' $(TORCH_INDEX) 2>/dev/null; \
+	then $(TORCH_PIP_ENV) .venv-torch-$*/bin/python -m pip install --quiet --index-url $(TORCH_INDEX) torch==$*; \
+	else echo "$(TORCH_INDEX) does not answer: torch $* from the default index"; \
+		$(TORCH_PIP_ENV) .venv-torch-$*/bin/python -m pip install --quiet torch==$*; fi
+	$(TORCH_PIP_ENV) .venv-torch-$*/bin/python -m pip install --quiet -e ".[test,msc]"
+	$(TORCH_PIP_ENV) .venv-torch-$*/bin/python -m pip install --quiet --no-deps torchtitan==0.3.0
+	.venv-torch-$*/bin/python -c 'import torch; assert torch.__version__.split("+")[0] == "$*", torch.__version__'
+	touch $@
+
+test-torch: $(TORCH_VENV)/.installed
+	$(TORCH_VENV)/bin/python -m pytest -q -ra -n $(TEST_PROCESSES) $(PYTEST_ARGS)
 
 # The suite against this interpreter's own torch and packages, no venv built: how a machine with a
 # preinstalled (CUDA) torch runs it, e.g. `PYTHON=python3 make test-here`. The project is used from
@@ -90,4 +117,4 @@ lint: venv
 	$(PY) -m pyflakes asyncckpt worker tests examples benchmarks
 
 clean:
-	rm -rf $(VENV) .here checkpoints bench_out
+	rm -rf $(VENV) .venv-torch-* .here checkpoints bench_out

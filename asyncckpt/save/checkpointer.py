@@ -32,7 +32,7 @@ from .guard import GuardHandles, guard_calls
 from .incremental import Continuation
 from .inflight import InFlightSave
 from .interrupted import InterruptedExit
-from .job_lock import FolderLocks, parent_folder, take_root
+from .job_lock import FolderLocks, take_root
 from .memory_tier import MemoryTier
 from .planning import Planning
 from .prefixes import data_folder_for, expected_writes
@@ -82,10 +82,10 @@ class AsyncCheckpointer(InterruptedExit):
         self._closed = False
         self._warnings = SaveWarnings()
         self.resume_report: Optional[ResumeReport] = None  # what load_latest resumed from, what it skipped
-        self._janitor = Janitor()  # retention, after each commit's verdict
+        self._folders = FolderLocks()  # the root and the folders of explicit directories, held by the coordinator
+        self._janitor = Janitor(self._folders.confirm)  # retention, after each commit's verdict
         self._commit_memory = CommitMemory()  # what a steady save's commit reuses
         self._incremental = Continuation(config.incremental, self.rank)
-        self._folders = FolderLocks()  # the root and the folders of explicit directories, held by the coordinator
         if self.root is not None:
             take_root(self._folders, self.root, self._group, self._config.fsync)
         try:
@@ -149,16 +149,16 @@ class AsyncCheckpointer(InterruptedExit):
         label = f"step {step}" if name is not None else f"checkpoint {step_dir!r}"
         local, problem, overwrite, created, in_our_folder, writes = None, None, False, False, False, 0
         try:
+            created = name is None and not memory_only and not is_dir_or_unknown(storage, step_dir)  # (before a lock in it)
             if self._group.is_coordinator:  # before anything is written: the folder may be another job's
-                self._folders.check()
+                self._folders.check(step_dir)
                 if name is None:
-                    self._folders.take(parent_folder(step_dir), self.config.fsync, f"the folder of checkpoint {step_dir!r}")
+                    self._folders.take_folder_of(step_dir, self.config.fsync)
             in_our_folder = True
             if storage.is_symlink(step_dir) and not memory_only:
                 raise CheckpointError(f"{step_dir!r} is a symlink; refusing to write a checkpoint through it")
             if not memory_only:  # a memory-only save writes nothing there
                 self._janitor.claim(step_dir, self.config.timeout_s)  # retention stays out of it
-                created = name is None and not is_dir_or_unknown(storage, step_dir)
                 if self._group.is_coordinator or not is_remote(step_dir):  # (no probe per rank in one S3 prefix)
                     storage.prepare_dir(step_dir, self.config.fsync)  # proves it writable first; its entry durable
                 overwrite = self._group.is_coordinator and storage.exists(storage.join(step_dir, METADATA_FILE))
@@ -323,8 +323,7 @@ class AsyncCheckpointer(InterruptedExit):
         """Take the folder holding `checkpoint_dir` for this job now, as a save into it would: CheckpointError
         naming the holder (a caller scheduling its save later learns it at once). One process saving alone."""
         self._check_open()
-        self._folders.take(parent_folder(os.fspath(checkpoint_dir)), self.config.fsync,
-                           f"the folder of checkpoint {os.fspath(checkpoint_dir)!r}")
+        self._folders.take_folder_of(os.fspath(checkpoint_dir), self.config.fsync)
 
     def wait_tidy(self) -> bool:  # files that commits made obsolete are gone (waits at most timeout_s)
         return self._janitor.wait(self.config.timeout_s)
@@ -375,7 +374,7 @@ class AsyncCheckpointer(InterruptedExit):
             flight.replaces, memory and memory.token, bool(memory and memory.memory_only),
         )
         verdict = finish_save(self._group, storage_for(flight.step_dir), target, flight.outcome, self.config.fsync,
-                              self.config.keep_last, self._janitor, self._commit_memory)
+                              self.config.keep_last, self._janitor, self._commit_memory, self._folders.confirm)
         self._in_flight = None
         if not verdict.committed:
             raise CheckpointError(f"{flight.label} not committed: {verdict.error}")

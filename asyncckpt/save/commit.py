@@ -7,7 +7,9 @@ gathers no checksums); here the checksums sidecar is published, the directory sy
 What the commit made obsolete (files of a replaced save, checkpoints beyond keep_last), and with
 several ranks what a failed save wrote, is removed afterwards, off the collective path
 (retention.py). The verdict says what is on disk: once `.metadata` is in place the save is
-committed, even if making it durable then failed (logged as an ERROR).
+committed, even if making it durable then failed (logged as an ERROR). Right before `.metadata`
+and before `latest` the coordinator confirms that its job still holds the folder (job_lock.py): a
+job that lost it publishes nothing more and deletes nothing.
 
 `.metadata` is assembled from bytes (metadata_bytes.py): the plan's head, pickled once, and each
 rank's entries, encoded by that rank and sent only when they changed since its last committed
@@ -23,8 +25,9 @@ import time
 import uuid
 import zlib
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
+from ..errors import CheckpointError
 from ..formats import ChecksumsPart, ItemChecksum, crc32c, encode_checksums
 from ..layout import LATEST_FILE, METADATA_FILE, checksums_part_file, sidecar_file
 from ..protocol import WriteDone
@@ -104,13 +107,19 @@ class CommitMemory:
     image: Optional[MetadataImage] = None
 
 
+def _no_folder_taken(path: str) -> None:
+    """The ownership check where no folder is taken for a job (simulations, benchmarks)."""
+
+
 def finish_save(
     group: RankGroup, storage: Storage, target: SaveTarget, outcome: RankOutcome, fsync: bool,
     keep_last: Optional[int], janitor: Janitor, memory: CommitMemory,
+    confirm_owner: Callable[[str], None] = _no_folder_taken,
 ) -> Verdict:
     """Collective: gather every rank's share; the coordinator commits if all succeeded; every
     rank gets the same verdict. What to remove (a failed save's files, replaced files, retention)
-    is handed to `janitor` after the broadcast (see `_failed` for a single rank's failed save)."""
+    is handed to `janitor` after the broadcast (see `_failed` for a single rank's failed save).
+    `confirm_owner(path)` raises CheckpointError when this job no longer holds the folder of `path`."""
     own_part = group.size > 1 and not group.is_coordinator
     share, entries = rank_share(storage, target, outcome, fsync, memory, own_part)
     # the coordinator's own share stays here: gather_object pads every rank's message to the
@@ -120,7 +129,7 @@ def finish_save(
     decision = None
     if group.is_coordinator:
         shares[0] = share
-        decision = _decide(storage, target, outcome, shares, fsync, keep_last, memory)
+        decision = _decide(storage, target, outcome, shares, fsync, keep_last, memory, confirm_owner)
     verdict = group.broadcast(decision.verdict if decision is not None else None)
     if not verdict.committed:  # the next save sends its entries whole: nothing stale is ever assumed
         memory.own_entries = None
@@ -193,14 +202,17 @@ def _naming_rank(share: RankShare) -> str:
 
 
 def _decide(storage: Storage, target: SaveTarget, own: RankOutcome, shares: list[RankShare], fsync: bool,
-            keep_last, memory: CommitMemory) -> Decision:
+            keep_last, memory: CommitMemory, confirm_owner: Callable[[str], None]) -> Decision:
     failures = [s for s in shares if s.error is not None]
     what = f"step {target.step}" if target.name is not None else target.step_dir
     root = target.root if target.name is not None else None
     if failures:
-        return _failed(storage, target, "; ".join(_naming_rank(s) for s in failures), len(shares) > 1)
+        return _failed(storage, target, "; ".join(_naming_rank(s) for s in failures), len(shares) > 1, confirm_owner)
     if target.memory_only:  # every rank holds it in memory; nothing on disk changes
         return Decision(Verdict(True))
+    lost = _ownership_lost(confirm_owner, target.step_dir)
+    if lost is not None:  # the folder is another job's now: no commit, and nothing of it deleted
+        return Decision(Verdict(False, f"{what}: {lost}"))
     started = time.perf_counter()
     if all(s.entries is not None for s in shares):  # nothing kept is needed: free it before building anew
         memory.image = None
@@ -209,9 +221,14 @@ def _decide(storage: Storage, target: SaveTarget, own: RankOutcome, shares: list
         parts = [s.checksums for s in shares if s.checksums is not None]
         save_id = commit_checkpoint(storage, target, image, _checksums(own.written.items), parts, fsync)
     except Exception as exc:  # any failure here must reach every rank through the verdict
-        return _failed(storage, target, f"{what}: commit failed in {target.step_dir}: {exc!r}", len(shares) > 1)
+        return _failed(storage, target, f"{what}: commit failed in {target.step_dir}: {exc!r}", len(shares) > 1,
+                       confirm_owner)
     memory.image = image
     if target.name is not None:
+        lost = _ownership_lost(confirm_owner, target.root)
+        if lost is not None:  # its .metadata is in place, but `latest` and retention are the new holder's
+            return Decision(Verdict(False, f"{what}: {target.step_dir} has its {METADATA_FILE}, but `latest` "
+                                           f"was not moved to it and nothing was removed: {lost}"))
         try:
             move_latest(storage, target.root, target.name, fsync)
         except Exception as exc:
@@ -241,11 +258,24 @@ def _image_of(head: MetadataHead, shares: list[RankShare], kept: Optional[Metada
                                            else kept.entries(share.rank)) for share in shares})
 
 
-def _failed(storage: Storage, target: SaveTarget, error: str, ranks_wait: bool) -> Decision:
+def _ownership_lost(confirm_owner: Callable[[str], None], path: str) -> Optional[str]:
+    try:
+        confirm_owner(path)
+    except CheckpointError as exc:
+        return str(exc)
+    return None
+
+
+def _failed(storage: Storage, target: SaveTarget, error: str, ranks_wait: bool,
+            confirm_owner: Callable[[str], None]) -> Decision:
     """A failed save's files go: on the retention thread when other ranks wait for this verdict
     (deleting on a slow store must not outlast their collective timeout), else at once, so they
-    are gone when the error is raised. Its multipart uploads left open go on that thread too."""
-    if not ranks_wait:
+    are gone when the error is raised. Its multipart uploads left open go on that thread too.
+    Nothing goes when the folder is another job's now (its save may be writing that directory)."""
+    if not ranks_wait:  # (else the retention thread confirms it before it deletes)
+        lost = _ownership_lost(confirm_owner, target.step_dir)
+        if lost is not None:
+            return Decision(Verdict(False, f"{error}; {lost}"))
         discard_uncommitted(storage, target.step_dir, target.file_tag, target.owns_dir)
     root = target.root if target.name is not None else None
     tidy = Tidy(root, target.step_dir, committed=False, discard=ranks_wait, file_tag=target.file_tag,

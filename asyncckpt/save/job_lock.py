@@ -1,7 +1,8 @@
 """One job per checkpoint folder: two jobs saving into one root would overwrite each other's
 checkpoints, each reporting its saves as committed. So a checkpointer takes its root for its job
 when it is constructed (and, for a save into a directory it names, the folder holding that
-directory, at the first such save), and a second job gets a CheckpointError naming the holder.
+directory, or the directory itself in a shared folder such as /tmp: `folder_to_lock`, at the first
+such save), and a second job gets a CheckpointError naming the holder.
 
 - Local and shared filesystems: `FOLDER/.asyncckpt.lock`, held with `flock` until release (the
   kernel releases it when the process dies, so a crashed job never blocks its restart). The file
@@ -12,32 +13,40 @@ directory, at the first such save), and a second job gets a CheckpointError nami
 
 The processes of one job share a folder (ranks saving with `no_dist`, several checkpointers of
 one process): a job is named by `job_id()`.
+
+A folder is checked when a save is scheduled and confirmed again (`FolderLocks.confirm`) right
+before each write that publishes or deletes: the commit's `.metadata`, `latest`, and each of
+retention's deletions. A job that lost its folder meanwhile fails that save naming the new holder
+and deletes nothing: the folder is another job's now. What "lost" means:
+- flock: the kernel never takes a lock back, so it is lost only when the path no longer names
+  the file this job locked (removed or replaced, by hand or by a cleanup script): another job may
+  then lock a new file there without seeing this one.
+- lease: another job's lease is there; or there is none and ours expired (by our clock) before
+  we came back: whoever took it over meanwhile may have saved and let go since.
 """
 
 from __future__ import annotations
 
 import errno
 import fcntl
-import json
 import logging
 import os
 import socket
-import threading
+import stat
 import time
 import uuid
-from dataclasses import asdict, dataclass, replace
 from typing import Optional, Union
 
 from ..errors import CheckpointError
 from ..layout import LOCK_FILE
-from ..storage import Storage, is_remote, storage_for
+from ..storage import is_remote, storage_for
+from .lock_holder import UNRECORDED, Holder, in_use, taken_over
+from .lease import Lease
+from .mounts import warn_if_flock_is_local
 
 log = logging.getLogger(__name__)
 
-LEASE_TTL_S = 60.0  # a lease its job has not renewed for this long is free
-LEASE_RENEW_S = 15.0  # how often a running job renews its leases
 LOCK_WAIT_S = 5.0  # a lock file another process is just writing or removing: how long to try again
-RELEASE_WAIT_S = 10.0  # at release, how long to wait for a renewal under way
 
 
 def job_id() -> str:
@@ -68,72 +77,58 @@ def _distributed_job_token() -> Optional[str]:
         return None
 
 
-@dataclass(frozen=True)
-class Holder:
-    """Who holds a folder (what its lock file or lease records)."""
-
-    job: str
-    host: str
-    pid: int
-    since: float  # when it took the folder, seconds since the epoch
-    expires: Optional[float] = None  # leases only: free after this (the holder's clock)
-
-    def encode(self) -> bytes:
-        return json.dumps(asdict(self)).encode()
-
-    @classmethod
-    def decode(cls, data: bytes) -> Optional["Holder"]:
-        try:
-            fields = json.loads(data)
-            return cls(str(fields["job"]), str(fields["host"]), int(fields["pid"]), float(fields["since"]),
-                       None if fields.get("expires") is None else float(fields["expires"]))
-        except (ValueError, TypeError, KeyError):
-            return None
-
-    def describe(self) -> str:
-        return f"job {self.job} (host {self.host}, pid {self.pid}, since {_clock(self.since)})"
-
-    def gone(self) -> bool:
-        """A process of this host that no longer runs."""
-        if self.host != socket.gethostname():
-            return False
-        try:
-            os.kill(self.pid, 0)
-        except ProcessLookupError:
-            return True
-        except OSError:  # EPERM: it runs, as another user
-            pass
-        return False
-
-
 class FolderLocks:
     """The folders one checkpointer holds for its job, each taken once and kept until `release`."""
 
     def __init__(self, job: Optional[str] = None) -> None:
         self._job = job  # None: job_id(), asked at the first take
-        self._held: dict[str, Union[_FileLock, _Lease]] = {}
+        self._held: dict[str, Union[_FileLock, Lease]] = {}
 
-    def take(self, folder: str, fsync: bool = True, purpose: str = "") -> None:
+    def take(self, folder: str, fsync: bool = True, purpose: str = "", for_one_dir: bool = False) -> None:
         """Create `folder` if needed, prove it writable and take it for this job; CheckpointError
-        naming the holder if another job has it. `purpose` says what the folder is for, in errors."""
+        naming the holder if another job has it. `purpose` says what the folder is for, in errors.
+        `for_one_dir`: the folder is a checkpoint directory itself (folder_to_lock): the one the
+        job saves into now, so such folders taken before (their saves ended) are let go, and
+        letting go of one removes it if that left it empty."""
         key = folder.rstrip("/") if is_remote(folder) else os.path.abspath(folder)
         if key in self._held:
             return
+        if for_one_dir:
+            for old in [k for k, lock in self._held.items() if lock.for_one_dir]:
+                self._held.pop(old).release()
         storage = storage_for(folder)
         storage.prepare_dir(folder, fsync)
         if self._job is None:
             self._job = job_id()
         me = Holder(self._job, socket.gethostname(), os.getpid(), time.time())
         what = purpose or f"folder {folder!r}"
-        lock = _Lease(storage, folder, me, what) if is_remote(folder) else _FileLock(folder, me, what)
+        lock = Lease(storage, folder, me, what) if is_remote(folder) else _FileLock(folder, me, what)
         lock.take()
+        lock.for_one_dir = for_one_dir
         self._held[key] = lock
 
-    def check(self) -> None:
-        """CheckpointError if this job no longer holds one of its folders (another job took a
-        lease that expired, or the lock file was removed)."""
-        for lock in self._held.values():
-            lock.check()
+    def take_folder_of(self, checkpoint_dir: str, fsync: bool = True) -> None:
+        """Take what a save into `checkpoint_dir` takes (folder_to_lock): its folder, or itself."""
+        folder = folder_to_lock(checkpoint_dir)
+        itself = folder == (checkpoint_dir.rstrip("/") if is_remote(checkpoint_dir) else os.path.abspath(checkpoint_dir))
+        what = f"checkpoint directory {checkpoint_dir!r}" if itself else f"the folder of checkpoint {checkpoint_dir!r}"
+        self.take(folder, fsync, what, for_one_dir=itself)
+
+    def check(self, path: Optional[str] = None) -> None:
+        """CheckpointError if this job is known to no longer hold a folder that holds `path` (None:
+        any folder): another job took a lease that expired, or the lock file was removed. Asks the
+        store nothing."""
+        for key, lock in list(self._held.items()):
+            if path is None or _within(path, key):
+                lock.check()
+
+    def confirm(self, path: Optional[str] = None) -> None:
+        """Ask the filesystem or store now whether this job still holds the folders that hold
+        `path` (None: every folder); CheckpointError "... taken over by ..." if not, or if that
+        cannot be learnt (the store unreachable). Called right before each publishing write."""
+        for key, lock in list(self._held.items()):
+            if path is None or _within(path, key):
+                lock.confirm()
 
     def release(self) -> None:
         """Let go of every folder (never raises: the checkpoints are not at stake)."""
@@ -142,27 +137,28 @@ class FolderLocks:
             lock.release()
 
 
-def parent_folder(checkpoint_dir: str) -> str:
-    """The folder holding a checkpoint directory: what a save into it takes for its job."""
+def _within(path: str, folder: str) -> bool:
+    path = path.rstrip("/") if is_remote(path) else os.path.abspath(path)
+    return path == folder or path.startswith(folder.rstrip("/") + "/")
+
+
+def folder_to_lock(checkpoint_dir: str) -> str:
+    """The folder a save into a directory the caller names takes for its job: the folder holding
+    that directory (a run's folder, where a trainer keeps its step-N, checkpoint-N or *.ckpt
+    directories: two jobs sharing it would replace each other's), unless unrelated jobs share that
+    folder (a sticky one such as /tmp, /var/tmp, /dev/shm; the filesystem's root; a bucket's
+    root): then the directory itself."""
     if is_remote(checkpoint_dir):
         scheme, rest = checkpoint_dir.split("://", 1)
         rest = rest.rstrip("/")
-        return f"{scheme}://{rest.rsplit('/', 1)[0]}" if "/" in rest else checkpoint_dir
-    return os.path.dirname(os.path.abspath(checkpoint_dir))
-
-
-def _clock(seconds: float) -> str:
-    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(seconds))
-
-
-def _in_use(what: str, holder: str, remedy: str) -> CheckpointError:
-    return CheckpointError(
-        f"{what} is in use by another job: {holder}. Two jobs saving into one folder overwrite "
-        f"each other's checkpoints: give this job a folder of its own, or {remedy}"
-    )
-
-
-_UNRECORDED = Holder("?", "?", 0, 0.0)  # a lock file held by a process that wrote no record in it
+        return f"{scheme}://{rest.rsplit('/', 1)[0]}" if rest.count("/") > 1 else f"{scheme}://{rest}"
+    path = os.path.abspath(checkpoint_dir)
+    parent = os.path.dirname(path)
+    try:
+        shared = parent == os.path.dirname(parent) or bool(os.stat(parent).st_mode & stat.S_ISVTX)
+    except OSError:  # not there yet: created for this save, shared by nobody
+        shared = False
+    return path if shared else parent
 
 
 class _NoLocks(Exception):
@@ -174,16 +170,20 @@ class _FileLock:
     after, so the other processes of the job can hold it too (another job's process reads the
     record and gives up). A process locking a file that was removed meanwhile starts again."""
 
+    for_one_dir = False  # (FolderLocks.take) the folder is a checkpoint directory: removed at release if empty
+
     def __init__(self, folder: str, me: Holder, what: str) -> None:
-        self.path = os.path.join(folder, LOCK_FILE)
+        self.folder, self.path = folder, os.path.join(folder, LOCK_FILE)
         self._me, self._what = me, what
         self._fd: Optional[int] = None
+        self._lost: Optional[Holder] = None  # set once the path no longer names our file
 
     def take(self) -> None:
         deadline = time.monotonic() + LOCK_WAIT_S
         while True:
             try:
                 if self._try_take():
+                    warn_if_flock_is_local(self.folder)
                     return
             except _NoLocks as exc:
                 log.warning("%s: cannot lock %s (%s): another job saving there would not be detected",
@@ -197,7 +197,7 @@ class _FileLock:
 
     def _try_take(self) -> bool:
         """One attempt; False: try again (a holder of this job is writing or removing the file)."""
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             holder = self._lock(fd)
         except BaseException:
@@ -207,8 +207,8 @@ class _FileLock:
             _close(fd)
             if holder is None:
                 return False
-            holder_text = "a process that recorded no owner" if holder is _UNRECORDED else holder.describe()
-            raise _in_use(self._what, holder_text, f"stop that job first (its lock, {self.path}, goes when its processes exit)")
+            holder_text = "a process that recorded no owner" if holder is UNRECORDED else holder.describe()
+            raise in_use(self._what, holder_text, f"stop that job first (its lock, {self.path}, goes when its processes exit)")
         self._fd = fd
         return True
 
@@ -220,15 +220,22 @@ class _FileLock:
                 return None
             os.ftruncate(fd, 0)
             os.pwrite(fd, self._me.encode(), 0)
+            _give_the_folders_group(fd, self.folder)
             return self._me if _flock(fd, fcntl.LOCK_SH) else None  # None: another process slipped in
         if not _flock(fd, fcntl.LOCK_SH) or not _same_file(fd, self.path):  # its holder is writing it
             return None
-        return Holder.decode(os.pread(fd, 4096, 0)) or _UNRECORDED
+        return Holder.decode(os.pread(fd, 4096, 0)) or UNRECORDED
 
     def check(self) -> None:
-        if self._fd is not None and not _same_file(self._fd, self.path):
-            raise CheckpointError(f"{self._what}: its lock file {self.path} was removed or replaced while this "
-                                  "job held it: another job may be saving there; not saving")
+        if self._fd is None:  # no flock on this filesystem (a warning said so at the take)
+            return
+        if self._lost is None and not _same_file(self._fd, self.path):
+            self._lost = _recorded_holder(self.path)
+        if self._lost is not None:
+            how = f"its lock file {self.path} was removed or replaced while this job held it"
+            raise taken_over(self._what, self._lost, how)
+
+    confirm = check  # a stat of the path: cheap enough to ask every time
 
     def release(self) -> None:
         fd, self._fd = self._fd, None
@@ -237,10 +244,38 @@ class _FileLock:
         try:
             if _flock(fd, fcntl.LOCK_EX) and _same_file(fd, self.path):  # no other process holds it
                 os.unlink(self.path)
+                if self.for_one_dir:  # a failed save's directory, emptied but for the lock: nothing left behind
+                    _remove_if_empty(self.folder)
         except (OSError, _NoLocks) as exc:
             log.warning("releasing %s: %s", self.path, exc)
         finally:
             _close(fd)
+
+
+def _give_the_folders_group(fd: int, folder: str) -> None:
+    """The lock file is 0600, or 0660 in a folder its group may write (a team's folder: another
+    member's job must open the file to learn who holds it). Never readable by others."""
+    try:
+        if os.stat(folder).st_mode & 0o020 and os.fstat(fd).st_uid == os.geteuid():
+            os.fchmod(fd, 0o660)
+    except OSError as exc:
+        log.debug("lock file mode: %s", exc)
+
+
+def _remove_if_empty(folder: str) -> None:
+    try:
+        os.rmdir(folder)
+    except OSError:
+        pass
+
+
+def _recorded_holder(path: str) -> Holder:
+    """Who the lock file at `path` names (UNRECORDED: none, or no file), read without locking."""
+    try:
+        with open(path, "rb") as file:
+            return Holder.decode(file.read(4096)) or UNRECORDED
+    except OSError:
+        return UNRECORDED
 
 
 def _flock(fd: int, kind: int) -> bool:
@@ -271,83 +306,6 @@ def _close(fd: int) -> bool:
     except OSError:
         pass
     return False
-
-
-class _Lease:
-    """A lease object on an object store, written with conditional PUTs (only if absent, or only
-    if unchanged since read), so two jobs can never both believe they took it. A thread renews it
-    every LEASE_RENEW_S; finding another job's lease there means ours was lost."""
-
-    def __init__(self, storage: Storage, folder: str, me: Holder, what: str) -> None:
-        self.path = storage.join(folder, LOCK_FILE)
-        self._storage, self._me, self._what = storage, me, what
-        self._lost: Optional[Holder] = None
-        self._stop = threading.Event()
-        self._renewer: Optional[threading.Thread] = None
-
-    def take(self) -> None:
-        try:
-            for _ in range(3):  # another process wrote it between our read and our write
-                current = self._storage.read_versioned(self.path)
-                holder = Holder.decode(current.data) if current is not None else None
-                if holder is not None and holder.job != self._me.job and not self._free(holder):
-                    raise _in_use(self._what, holder.describe(), (
-                        f"stop that job first. Its lease ({self.path}) expires at {_clock(holder.expires or 0)} unless "
-                        f"that job renews it: if it is gone, retry after that, or restart with its job id "
-                        f"(ASYNCCKPT_JOB_ID={holder.job}) to take it over now"
-                    ))
-                if self._write(current.version if current is not None else None):
-                    break
-            else:
-                raise CheckpointError(f"{self._what}: its lease {self.path} changed on every try; try again")
-        except OSError as exc:
-            raise CheckpointError(f"{self._what}: cannot take its lease {self.path}: {exc}") from exc
-        self._renewer = threading.Thread(target=self._renew_until_released, name="asyncckpt-lease", daemon=True)
-        self._renewer.start()
-
-    def check(self) -> None:
-        if self._lost is not None:
-            raise CheckpointError(
-                f"{self._what}: this job lost its lease ({self.path}) to {self._lost.describe()}, which took it "
-                f"over (ours not renewed within {LEASE_TTL_S:.0f}s: the store unreachable, or this process stalled?); "
-                "not saving there: stop one of the two jobs"
-            )
-
-    def release(self) -> None:
-        self._stop.set()
-        if self._renewer is not None:
-            self._renewer.join(RELEASE_WAIT_S)
-        try:
-            current = self._storage.read_versioned(self.path)
-            holder = Holder.decode(current.data) if current is not None else None
-            if holder is not None and holder.job == self._me.job:
-                self._storage.remove_file(self.path)
-        except OSError as exc:
-            log.warning("releasing %s: %s (it expires by itself)", self.path, exc)
-
-    @staticmethod
-    def _free(holder: Holder) -> bool:
-        return (holder.expires is not None and holder.expires < time.time()) or holder.gone()
-
-    def _write(self, version: Optional[str]) -> bool:
-        lease = replace(self._me, expires=time.time() + LEASE_TTL_S)
-        return self._storage.write_if_version(self.path, lease.encode(), version)
-
-    def _renew(self) -> None:
-        current = self._storage.read_versioned(self.path)
-        holder = Holder.decode(current.data) if current is not None else None
-        if holder is not None and holder.job != self._me.job:
-            self._lost = holder
-            log.error("%s: another job took its lease %s: %s; saves there are refused", self._what, self.path, holder.describe())
-        elif not self._stop.is_set():
-            self._write(current.version if current is not None else None)  # absent: a process of this job let go
-
-    def _renew_until_released(self) -> None:
-        while self._lost is None and not self._stop.wait(LEASE_RENEW_S):
-            try:
-                self._renew()
-            except OSError as exc:
-                log.warning("renewing %s: %s", self.path, exc)
 
 
 def take_root(folders: FolderLocks, root: str, group, fsync: bool) -> None:

@@ -6,6 +6,8 @@ It runs on one background thread of the coordinator's checkpointer, after the ve
 broadcast: deleting a large checkpoint on a slow store must not hold up the commit's collectives
 (every rank waits there, under a timeout). A directory a save is writing into is never touched:
 the save claims it first, and a claim waits (bounded) for a deletion of that directory under way.
+Before it deletes anything, and again before each checkpoint it removes, it confirms that the job
+still holds the folder (job_lock.py): the checkpoints of a job that took it over are not ours to remove.
 """
 
 from __future__ import annotations
@@ -15,12 +17,12 @@ import contextlib
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 from ..errors import CheckpointError, CheckpointTimeoutError
 from ..layout import SIDECAR_NAME, is_checksums_part, is_data_file, list_files, remove_empty_data_folders
 from ..loading.load import unreferenced_files, uploads_left_open
-from ..layout import METADATA_FILE, list_checkpoints, read_latest_marker
+from ..layout import LOCK_FILE, METADATA_FILE, list_checkpoints, read_latest_marker
 from ..storage import Storage, storage_for
 from .disk_space import DiskSpaceWarning
 
@@ -43,9 +45,11 @@ class Tidy:
 
 
 class Janitor:
-    """Runs `Tidy` jobs in order on one daemon thread (started by the first job)."""
+    """Runs `Tidy` jobs in order on one daemon thread (started by the first job).
+    `confirm_owner(path)` raises CheckpointError once this job no longer holds the folder of `path`."""
 
-    def __init__(self) -> None:
+    def __init__(self, confirm_owner: Optional[Callable[[str], None]] = None) -> None:
+        self._confirm_owner = confirm_owner
         self._cond = threading.Condition()
         self._jobs: collections.deque[Tidy] = collections.deque()
         self._running = False  # a job is being worked on
@@ -123,7 +127,19 @@ class Janitor:
                 self._busy = None
                 self._cond.notify_all()
 
+    def _still_ours(self, path: str) -> bool:
+        """Whether this job still holds the folder of `path` (asked right before deleting there)."""
+        try:
+            if self._confirm_owner is not None:
+                self._confirm_owner(path)
+            return True
+        except CheckpointError as exc:
+            log.error("not removing anything in %s: %s", path, exc)
+            return False
+
     def _tidy(self, job: Tidy) -> None:
+        if not self._still_ours(job.root or job.step_dir):
+            return
         try:
             self._abort_stale_uploads(job)
         except OSError as exc:  # e.g. the store still unreachable: the next commit tries again
@@ -147,6 +163,8 @@ class Janitor:
                 # (and made it `latest`); is_dir: never through a symlink
                 if not free or path not in retention_candidates(storage, job.root, job.keep_last):
                     continue
+                if not self._still_ours(path):
+                    return
                 if storage.is_dir(path):
                     # un-commit first, so a crash mid-delete leaves a torn directory, never a broken checkpoint
                     storage.remove_file(storage.join(path, METADATA_FILE))
@@ -188,12 +206,13 @@ class Janitor:
 def discard_uncommitted(storage: Storage, step_dir: str, file_tag: str = "", owns_dir: bool = True) -> None:
     """Remove what a failed save wrote; it was never committed, so nothing can depend on it.
     A save that was replacing a committed checkpoint removes only its own (tagged) files; one into
-    a directory it did not create removes only data files, then the directory if that left it empty."""
+    a directory it did not create, or that holds this job's lock, removes only data files, then the
+    directory if that left it empty (a locked one when its lock goes)."""
     try:
         if not storage.is_dir(step_dir):
             return
         if not storage.exists(storage.join(step_dir, METADATA_FILE)):
-            if owns_dir:
+            if owns_dir and not storage.exists(storage.join(step_dir, LOCK_FILE)):  # (locked: job_lock.folder_to_lock)
                 storage.remove_tree(step_dir)
                 return
             for name in list_files(storage, step_dir):
