@@ -33,6 +33,7 @@ from .interrupted import InterruptedExit
 from .job_lock import FolderLocks, parent_folder, take_root
 from .memory_tier import MemoryTier
 from .planning import Planning
+from .preemption import Preemption
 from .prefixes import data_folder_for, expected_writes
 from .rank_worker import RankWorker
 from .ranks import RankGroup, finalize_bound_s
@@ -84,6 +85,7 @@ class AsyncCheckpointer(InterruptedExit):
         self._commit_memory = CommitMemory()  # what a steady save's commit reuses
         self._incremental = Continuation(config.incremental, self.rank)
         self._folders = FolderLocks()  # the root and the folders of explicit directories, held by the coordinator
+        self._preemption = Preemption(config.preemption_signals, config.grace_s, lambda: self._worker.abandon())
         if self.root is not None:
             take_root(self._folders, self.root, self._group, self._config.fsync)
         try:
@@ -92,6 +94,7 @@ class AsyncCheckpointer(InterruptedExit):
         except BaseException:
             self._folders.release()
             raise
+        self._preemption.install()
         at_exit.track(self)  # once whole: a constructor that failed leaves nothing to close at exit
 
     @property
@@ -318,9 +321,8 @@ class AsyncCheckpointer(InterruptedExit):
         self._worker.ensure_alive()
 
     def take_folder_of(self, checkpoint_dir: str) -> None:
-        """Take the folder holding `checkpoint_dir` for this job now, as a save into it would (a
-        caller that holds a save to schedule it later, on another thread, learns at once that the
-        folder is another job's): CheckpointError naming the holder. One process saving alone."""
+        """Take the folder holding `checkpoint_dir` for this job now, as a save into it would (a caller
+        holding a save for later learns at once that it is another job's). One process saving alone."""
         self._check_open()
         self._folders.take(parent_folder(os.fspath(checkpoint_dir)), self.config.fsync,
                            f"the folder of checkpoint {os.fspath(checkpoint_dir)!r}")
@@ -328,33 +330,33 @@ class AsyncCheckpointer(InterruptedExit):
     def wait_tidy(self) -> bool:  # files that commits made obsolete are gone (waits at most timeout_s)
         return self._janitor.wait(self.config.timeout_s)
 
-    @property
-    def worker_pid(self) -> Optional[int]:
-        return self._worker.pid
+    worker_pid = property(lambda self: self._worker.pid)
 
     planning_counters = property(lambda self: self._planning.counters)
+    preempted = property(lambda self: self._preemption.signum is not None)  # a preemption signal came: close(), exit
 
     def close(self) -> list[SaveReport]:
         """Wait for the in-flight save, commit it, wait (at most timeout_s) for retention to end,
-        and stop the worker. Idempotent."""
+        and stop the worker. Idempotent. After a preemption signal every wait is bounded by grace_s
+        and what was saved is said on stderr (preemption.py)."""
         if self._closed:
             return []
         try:
-            return self.finalize(blocking=True)
+            return self._preemption.closing(lambda: self.finalize(blocking=True), bool(self._memory))
         finally:
             self._closed = True
             at_exit.forget(self)
-            self._janitor.close(self.config.timeout_s)
-            self._worker.stop()
+            self._preemption.uninstall()
+            self._janitor.close(self._preemption.bound_s(self.config.timeout_s))
+            self._worker.stop(self._preemption.bound_s(10.0))
             if self._memory is not None:
-                self._memory.close()
+                self._memory.close(keep=self._preemption.keeps_memory)
             self._folders.release()
 
     def __enter__(self) -> "AsyncCheckpointer":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    __exit__ = lambda self, *exc: self.close()  # noqa: E731
 
     # save path -------------------------------------------------------------------------------
     def _finish_in_flight(self, blocking: bool) -> None:
@@ -383,18 +385,15 @@ class AsyncCheckpointer(InterruptedExit):
             self._incremental.committed(flight.step_dir, flight.outcome.written.items, verdict.save_id)
         report = flight.report(self.rank, verdict, flight.outcome, self._group.collectives)
         self._committed.append(report)
+        self._preemption.newest = report
         publish(report, self.config.metrics_path, self.config.on_commit)
 
-    @property
-    def in_flight_dir(self) -> Optional[str]:
-        """The directory the save in flight writes (None when no save is in flight)."""
-        return self._in_flight.step_dir if self._in_flight is not None else None
-
-    @property
-    def in_flight_base_dirs(self) -> tuple[str, ...]:
-        """Incremental: the checkpoints whose files the save in flight may reuse. Deleting one
-        meanwhile would only cost that save its reuse; waiting for the save keeps the reuse."""
-        return self._in_flight.base_dirs if self._in_flight is not None else ()
+    in_flight_dir = property(lambda self: self._in_flight.step_dir if self._in_flight is not None else None,
+                             doc="The directory the save in flight writes (None when no save is in flight).")
+    in_flight_base_dirs = property(
+        lambda self: self._in_flight.base_dirs if self._in_flight is not None else (),
+        doc="Incremental: the checkpoints whose files the save in flight may reuse. Deleting one meanwhile "
+            "would only cost that save its reuse; waiting for the save keeps the reuse.")
 
     def _check_open(self) -> None:
         if self._closed:
