@@ -85,7 +85,7 @@ class AsyncCheckpointer(InterruptedExit):
         self._commit_memory = CommitMemory()  # what a steady save's commit reuses
         self._incremental = Continuation(config.incremental, self.rank)
         self._folders = FolderLocks()  # the root and the folders of explicit directories, held by the coordinator
-        self._preemption = Preemption(config.preemption_signals, config.grace_s, lambda: self._worker.abandon())
+        self._preemption = Preemption(config.preemption_signals, config.grace_s, lambda: self._worker.abandon(), self._group)
         if self.root is not None:
             take_root(self._folders, self.root, self._group, self._config.fsync)
         try:
@@ -333,7 +333,7 @@ class AsyncCheckpointer(InterruptedExit):
     worker_pid = property(lambda self: self._worker.pid)
 
     planning_counters = property(lambda self: self._planning.counters)
-    preempted = property(lambda self: self._preemption.signum is not None)  # a preemption signal came: close(), exit
+    preempted = property(lambda self: self._preemption.preempted)  # a preemption signal came: close(), then exit
 
     def close(self) -> list[SaveReport]:
         """Wait for the in-flight save, commit it, wait (at most timeout_s) for retention to end,

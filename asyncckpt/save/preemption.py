@@ -13,7 +13,10 @@ it arrive together) ends the process at once, the same way. `requeue_exit()` the
 128 + the signal's number: what a shell, Slurm or Kubernetes reports for a process that signal
 ended, so scripts and pod failure policies that treat it as a preemption go on doing so.
 
-Several ranks: not covered yet (each rank sees only its own signal; docs/guarantees.md).
+Several ranks: a rank's signal rides on the small all-reduce every schedule_save and every
+finalize poll of a pending save already make (ranks.py): no collective is added, and every rank
+turns `preempted` true after the same call, so all stop at the same step. Between saves nothing is
+exchanged: the others learn of it at the next schedule_save (or the signalled rank's grace ends it).
 Memory tier: a newest save that was memory-only is kept in the tier's file on close (a restart on
 this node restores and persists it), not written to disk here.
 """
@@ -45,7 +48,7 @@ def requeue_exit(code: Optional[int] = None) -> None:
 class Preemption:
     """The handlers of one checkpointer's preemption signals, and what its close() does after one."""
 
-    def __init__(self, signals: tuple[int, ...], grace_s: float, kill_worker: Callable[[], None]) -> None:
+    def __init__(self, signals: tuple[int, ...], grace_s: float, kill_worker: Callable[[], None], group) -> None:
         self.signum: Optional[int] = None  # the first signal that came
         self.grace_s = grace_s
         self.newest = None  # the SaveReport of the newest committed save (memory-only ones included)
@@ -53,12 +56,20 @@ class Preemption:
         self._kill_worker = kill_worker
         self._closed = threading.Event()
         self._wake: Optional[tuple[int, int]] = None  # the watchdog's pipe (read end, write end)
+        self._group = group  # several ranks: the flag rides on the agreements the saves make anyway (ranks.py)
+        group.signalled = lambda: self.signum is not None
         self._previous: dict[int, object] = {}
         if signals and threading.current_thread() is not threading.main_thread():
             names = ", ".join(signal.Signals(n).name for n in signals)
             raise ValueError(f"CheckpointConfig.preemption_signals ({names}): Python installs signal handlers "
                              "only on the main thread; build the AsyncCheckpointer there")
         self._signals = signals
+
+    @property
+    def preempted(self) -> bool:
+        """One rank: a signal came. Several: a rank got one, as the last agreement of the ranks
+        said (so every rank turns it true after the same call, and they stop at the same step)."""
+        return self.signum is not None if self._group.size == 1 else self._group.preempted
 
     def install(self) -> None:
         if not self._signals:

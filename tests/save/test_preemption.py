@@ -167,3 +167,41 @@ def test_only_the_main_thread_can_install_handlers(tmp_path):
     thread.join(60)
     assert failures and "main thread" in failures[0]
     assert not os.path.exists(tmp_path / "r" / "latest")
+
+
+def _two_ranks(rank: int, world_size: int, root: str, signal_at: int) -> None:
+    import torch.distributed as dist
+
+    state = {f"w{rank}": torch.zeros(1 << 16), "step": -1}  # (a tensor every rank has would be saved once)
+    ckpt = AsyncCheckpointer(root, CheckpointConfig(preemption_signals=(signal.SIGTERM,), worker_nice=None,
+                                                    worker_ionice=None, timeout_s=60))
+    stopped, staged = None, -1
+    for step in range(200):
+        if ckpt.preempted:
+            stopped = step
+            break
+        ckpt.finalize()
+        if rank == 1 and step == signal_at:
+            os.kill(os.getpid(), signal.SIGTERM)  # one rank only
+        state[f"w{rank}"].fill_(step * 10 + rank)
+        state["step"] = step
+        time.sleep(0.01)
+        if step % 3 == 0:
+            ckpt.schedule_save(state, step=step)
+            staged = step
+    ckpt.close()
+    assert stopped is not None, f"rank {rank} never saw preempted"
+    assert dist.is_initialized()
+    seen = [None] * world_size
+    dist.all_gather_object(seen, (stopped, staged))
+    assert len(set(seen)) == 1, f"the ranks stopped at different steps: {seen}"
+    assert read_latest_marker(root) == f"step_{staged:08d}"
+    loaded = {f"w{rank}": torch.zeros(1 << 16), "step": -1}
+    load(loaded, os.path.join(root, f"step_{staged:08d}"))
+    assert loaded["step"] == staged and bool((loaded[f"w{rank}"] == staged * 10 + rank).all())
+
+
+def test_a_signal_to_one_rank_stops_both_at_the_same_step(tmp_path):
+    from multirank import run_ranks
+
+    run_ranks(_two_ranks, 2, str(tmp_path / "root"), random.Random().randrange(2, 12), timeout_s=180)
