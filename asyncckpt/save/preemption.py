@@ -58,6 +58,8 @@ class Preemption:
         self._wake: Optional[tuple[int, int]] = None  # the watchdog's pipe (read end, write end)
         self._group = group  # several ranks: the flag rides on the agreements the saves make anyway (ranks.py)
         group.signalled = lambda: self.signum is not None
+        group.on_preempted = self._agreed
+        self.preempted = False  # what `ckpt.preempted` reads (a plain attribute: read every step)
         self._previous: dict[int, object] = {}
         if signals and threading.current_thread() is not threading.main_thread():
             names = ", ".join(signal.Signals(n).name for n in signals)
@@ -65,11 +67,10 @@ class Preemption:
                              "only on the main thread; build the AsyncCheckpointer there")
         self._signals = signals
 
-    @property
-    def preempted(self) -> bool:
-        """One rank: a signal came. Several: a rank got one, as the last agreement of the ranks
-        said (so every rank turns it true after the same call, and they stop at the same step)."""
-        return self.signum is not None if self._group.size == 1 else self._group.preempted
+    def _agreed(self) -> None:
+        """Several ranks: an agreement said a rank got a signal (ranks.py). `preempted` turns true
+        on every rank after the same call, so they stop at the same step; one rank: at the signal."""
+        self.preempted = True
 
     def install(self) -> None:
         if not self._signals:
@@ -86,6 +87,7 @@ class Preemption:
         if self.signum is None:
             self.signum, self._at = signum, now
             _received = _received or signum
+            self.preempted = self.preempted or self._group.size == 1
             self._wake_watchdog()
         elif now - self._at >= DUPLICATE_WINDOW_S:
             end_now(signum, self._kill_worker, "second preemption signal")

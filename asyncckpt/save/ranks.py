@@ -58,7 +58,7 @@ class RankGroup:
         self._agreements = 0
         self._broken: Optional[str] = None
         self.signalled: Callable[[], bool] = lambda: False  # this rank got a preemption signal (preemption.py)
-        self.preempted = False  # a rank got one, as an agreement said: every rank learns it at the same call
+        self.on_preempted: Callable[[], None] = lambda: None  # an agreement said a rank got one: every rank learns it at the same call
         if self.size > 1 and process_group is not None:
             backend = str(dist.get_backend(process_group))
             if "gloo" not in backend:
@@ -94,7 +94,8 @@ class RankGroup:
                 f"steps {lows[2]}..{highs[2]}); all ranks must call prepare, schedule_save and finalize at "
                 "the same points with the same step"
             )
-        self.preempted = self.preempted or bool(values[-1])
+        if values[-1]:
+            self.on_preempted()
         return [int(v) for v in values[6:-1]]
 
     def agree_finished(self, pending: bool, blocking: bool, step: int, bound_s: float) -> tuple[bool, bool]:
