@@ -205,3 +205,25 @@ def test_a_signal_to_one_rank_stops_both_at_the_same_step(tmp_path):
     from multirank import run_ranks
 
     run_ranks(_two_ranks, 2, str(tmp_path / "root"), random.Random().randrange(2, 12), timeout_s=180)
+
+
+def test_a_memory_only_newest_save_is_kept_for_the_restart(tmp_path):
+    """Preempted with a memory-only newest save: close() keeps the tier's file (a clean close
+    removes it) and says the step is not on disk; a restart on this node restores it."""
+    root, shm = str(tmp_path / "root"), str(tmp_path / "shm")
+    os.makedirs(shm)
+    config = CheckpointConfig(preemption_signals=(signal.SIGUSR1,), memory_tier=True, memory_dir=shm,
+                              worker_nice=None, worker_ionice=None)
+    ckpt = AsyncCheckpointer(root, config, no_dist=True)
+    ckpt.schedule_save(child_state(1.0), step=1)
+    ckpt.schedule_save(child_state(2.0), step=2, memory_only=True)
+    os.kill(os.getpid(), signal.SIGUSR1)
+    time.sleep(0.01)
+    assert ckpt.preempted
+    ckpt.close()
+    assert os.listdir(shm), "the memory-only save's file was removed"
+    assert read_latest_marker(root) == "step_00000001"
+    state = child_state(-1.0)
+    with AsyncCheckpointer(root, config, no_dist=True) as again:
+        assert again.load_latest(state) == 2
+    assert state["step"] == 2 and all(bool((t == 2).all()) for t in state["w"].values())
