@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv install test test-here test-torch torch-venv example example-ddp example-lightning example-transformers bench bench-load bench-doors bench-lightning bench-incremental bench-memory-tier bench-transformers bench-scale bench-gpu lint clean
+.PHONY: venv install test test-here test-torch torch-venv example example-ddp example-lightning example-transformers bench bench-load bench-doors bench-lightning bench-incremental bench-memory-tier bench-transformers bench-scale bench-gpu bench-preemption lint clean
 
 venv: $(STAMP)
 
@@ -98,6 +98,9 @@ bench-memory-tier: venv
 
 bench-transformers: venv
 	$(PY) benchmarks/bench_transformers.py --out bench_out/bench_transformers.json
+
+bench-preemption: venv
+	$(PY) benchmarks/bench_preemption.py --size-mib 1024 --rounds 3 --out bench_out/bench_preemption.json
 
 bench-lightning: venv
 	$(PY) benchmarks/bench_lightning.py --out bench_out/bench_lightning.json

@@ -29,6 +29,7 @@ _PUBLIC = {  # name -> the module that defines it
     "latest_checkpoint": "loading.load",
     "list_checkpoints": "loading.load",
     "load": "loading.load",
+    "requeue_exit": "save.preemption",
     "verify_checkpoint": "loading.load",
 }
 

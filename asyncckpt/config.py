@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -64,6 +65,13 @@ class CheckpointConfig:
         (rank r's in `p{r % prefixes}`), each a key prefix of its own on an object store; 1: every
         file directly in the step directory. None (default): on an object store, as many as keep
         every folder under 3,500 writes per save (layout.prefix_count); on a filesystem, 1.
+    preemption_signals: signals that mean "the job is being preempted" (e.g. `(signal.SIGTERM,)`;
+        default none: a signal does what it did before). On one, `ckpt.preempted` turns true and the
+        worker ignores it, so the save in flight still ends; the loop then calls `close()` and
+        `asyncckpt.requeue_exit()` (docs/usage.md, "Preemption"). Handlers are installed by the
+        checkpointer's constructor, which must then run on the main thread.
+    grace_s: after a preemption signal, `close()` waits at most this long for the save in flight
+        (then gives it up: the last committed checkpoint stays as it was).
     """
 
     io: str = "thread"
@@ -88,6 +96,8 @@ class CheckpointConfig:
     memory_keep: bool = False
     memory_persist_restored: bool = True
     prefixes: Optional[int] = None
+    preemption_signals: tuple = ()
+    grace_s: float = 25.0
 
     def __post_init__(self) -> None:
         for name, allowed in _CHOICES.items():
@@ -103,7 +113,8 @@ class CheckpointConfig:
             _require_int(self, "prefixes", minimum=1)
         if self.worker_nice is not None:
             _require_int(self, "worker_nice", minimum=0)
-        for name in ("timeout_s", "worker_start_timeout_s"):
+        object.__setattr__(self, "preemption_signals", _signals_of(self.preemption_signals))
+        for name in ("timeout_s", "worker_start_timeout_s", "grace_s"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < float("inf"):
                 raise ValueError(f"CheckpointConfig.{name}={value!r} must be a positive number of seconds")
@@ -122,6 +133,33 @@ class CheckpointConfig:
             raise ValueError(f"CheckpointConfig.memory_dir={self.memory_dir!r} must be an absolute path")
         if self.on_commit is not None and not callable(self.on_commit):
             raise ValueError("CheckpointConfig.on_commit must be callable")
+
+
+_NOT_CATCHABLE = {signal.SIGKILL, signal.SIGSTOP}
+
+
+def _signals_of(value: Any) -> tuple[signal.Signals, ...]:
+    """CheckpointConfig.preemption_signals as a tuple of signals, or ValueError naming the bad one."""
+    if isinstance(value, (int, str)) or not isinstance(value, (tuple, list, set, frozenset)):
+        raise ValueError(f"CheckpointConfig.preemption_signals={value!r} must be a tuple of signals, "
+                         "e.g. (signal.SIGTERM,)")
+    signals = []
+    for item in value:
+        try:
+            number = signal.Signals(item) if isinstance(item, int) and not isinstance(item, bool) else None
+        except ValueError:
+            number = None
+        if number is None:
+            raise ValueError(f"CheckpointConfig.preemption_signals: {item!r} is not a signal number")
+        if number in _NOT_CATCHABLE:
+            raise ValueError(f"CheckpointConfig.preemption_signals: {number.name} cannot be caught; "
+                             "nothing can be saved when it comes first")
+        if number == signal.SIGINT:
+            raise ValueError("CheckpointConfig.preemption_signals: SIGINT is Ctrl-C, which has its own "
+                             "handling (docs/guarantees.md, \"Ctrl-C\")")
+        if number not in signals:
+            signals.append(number)
+    return tuple(signals)
 
 
 def _require_int(config: CheckpointConfig, name: str, minimum: int) -> None:

@@ -60,6 +60,7 @@ class WorkerSettings:
     nice: Optional[int] = None
     ionice: Optional[str] = None
     memory: Optional[MemoryTier] = None
+    ignored_signals: tuple[int, ...] = ()  # the preemption signals: the trainer decides, the save in flight ends
 
 
 @dataclass(frozen=True)
@@ -107,12 +108,14 @@ def run_worker(entry: str, conn, settings: "WorkerSettings") -> None:
     lives here because the worker imports this module anyway; the trainer side imports nothing
     of the worker package. Ctrl-C is the trainer's to handle (a terminal sends SIGINT to the
     whole process group): the worker starts with SIGINT blocked (client.py) and ignores it from
-    here on, so no import is cut short; its fork server and writers inherit that."""
+    here on, so no import is cut short; its fork server and writers inherit that. The same holds
+    for the preemption signals (`settings.ignored_signals`, CheckpointConfig.preemption_signals)."""
     import importlib
     import signal
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # one that came meanwhile is dropped
+    for number in (signal.SIGINT, *settings.ignored_signals):
+        signal.signal(number, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, *settings.ignored_signals})  # one that came meanwhile is dropped
     importlib.import_module(entry).run(conn, settings)
 
 

@@ -35,6 +35,7 @@ from .interrupted import InterruptedExit
 from .job_lock import FolderLocks, take_root
 from .memory_tier import MemoryTier
 from .planning import Planning
+from .preemption import Preemption
 from .prefixes import data_folder_for, expected_writes
 from .rank_worker import RankWorker
 from .ranks import RankGroup, finalize_bound_s
@@ -86,6 +87,7 @@ class AsyncCheckpointer(InterruptedExit):
         self._janitor = Janitor(self._folders.confirm)  # retention, after each commit's verdict
         self._commit_memory = CommitMemory()  # what a steady save's commit reuses
         self._incremental = Continuation(config.incremental, self.rank)
+        self._preemption = Preemption(config.preemption_signals, config.grace_s, lambda: self._worker.abandon(), self._group)
         if self.root is not None:
             take_root(self._folders, self.root, self._group, self._config.fsync)
         try:
@@ -94,6 +96,7 @@ class AsyncCheckpointer(InterruptedExit):
         except BaseException:
             self._folders.release()
             raise
+        self._preemption.install()
         at_exit.track(self)  # once whole: a constructor that failed leaves nothing to close at exit
 
     @property
@@ -320,41 +323,41 @@ class AsyncCheckpointer(InterruptedExit):
         self._worker.ensure_alive()
 
     def take_folder_of(self, checkpoint_dir: str) -> None:
-        """Take the folder holding `checkpoint_dir` for this job now, as a save into it would: CheckpointError
-        naming the holder (a caller scheduling its save later learns it at once). One process saving alone."""
+        """Take the folder holding `checkpoint_dir` for this job now, as a save into it would (a caller
+        holding a save for later learns at once that it is another job's). One process saving alone."""
         self._check_open()
         self._folders.take_folder_of(os.fspath(checkpoint_dir), self.config.fsync)
 
     def wait_tidy(self) -> bool:  # files that commits made obsolete are gone (waits at most timeout_s)
         return self._janitor.wait(self.config.timeout_s)
 
-    @property
-    def worker_pid(self) -> Optional[int]:
-        return self._worker.pid
+    worker_pid = property(lambda self: self._worker.pid)
 
     planning_counters = property(lambda self: self._planning.counters)
+    preempted = property(lambda self: self._preemption.preempted)  # a preemption signal came: close(), then exit
 
     def close(self) -> list[SaveReport]:
         """Wait for the in-flight save, commit it, wait (at most timeout_s) for retention to end,
-        and stop the worker. Idempotent."""
+        and stop the worker. Idempotent. After a preemption signal every wait is bounded by grace_s
+        and what was saved is said on stderr (preemption.py)."""
         if self._closed:
             return []
         try:
-            return self.finalize(blocking=True)
+            return self._preemption.closing(lambda: self.finalize(blocking=True), bool(self._memory))
         finally:
             self._closed = True
             at_exit.forget(self)
-            self._janitor.close(self.config.timeout_s)
-            self._worker.stop()
+            self._preemption.uninstall()
+            self._janitor.close(self._preemption.bound_s(self.config.timeout_s))
+            self._worker.stop(self._preemption.bound_s(10.0))
             if self._memory is not None:
-                self._memory.close()
+                self._memory.close(keep=self._preemption.keeps_memory)
             self._folders.release()
 
     def __enter__(self) -> "AsyncCheckpointer":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    __exit__ = lambda self, *exc: self.close()  # noqa: E731
 
     def _finish_in_flight(self, blocking: bool) -> None:
         flight = self._in_flight
@@ -387,17 +390,15 @@ class AsyncCheckpointer(InterruptedExit):
             report = dataclasses.replace(report, persisted_restore=True)
             self.resume_report = dataclasses.replace(self.resume_report, persisted=True, persisted_at=time.time())
         self._committed.append(report)
+        self._preemption.newest = report
         publish(report, self.config.metrics_path, self.config.on_commit)
 
-    @property
-    def in_flight_dir(self) -> Optional[str]:  # the directory the save in flight writes (None: none in flight)
-        return self._in_flight.step_dir if self._in_flight is not None else None
-
-    @property
-    def in_flight_base_dirs(self) -> tuple[str, ...]:
-        """Incremental: the checkpoints whose files the save in flight may reuse (deleting one
-        meanwhile only costs that save its reuse)."""
-        return self._in_flight.base_dirs if self._in_flight is not None else ()
+    in_flight_dir = property(lambda self: self._in_flight.step_dir if self._in_flight is not None else None,
+                             doc="The directory the save in flight writes (None when no save is in flight).")
+    in_flight_base_dirs = property(
+        lambda self: self._in_flight.base_dirs if self._in_flight is not None else (),
+        doc="Incremental: the checkpoints whose files the save in flight may reuse. Deleting one meanwhile "
+            "would only cost that save its reuse; waiting for the save keeps the reuse.")
 
     def _check_open(self) -> None:
         if self._closed:

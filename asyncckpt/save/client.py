@@ -46,7 +46,7 @@ class WorkerClient:
         process = ctx.Process(
             target=run_worker, args=(WORKER_ENTRY, child_conn, self.settings), name=f"asyncckpt-worker-{self.settings.rank}", daemon=True
         )
-        with _spawn_lock, _main_module_hidden(), _sigint_blocked():
+        with _spawn_lock, _main_module_hidden(), _sigint_blocked(self.settings.ignored_signals):
             process.start()
         child_conn.close()  # so a dead worker shows up as EOF on our end
         self._process, self._conn, self._inbox = process, parent_conn, []
@@ -312,13 +312,16 @@ class _sigint_blocked:
     """Start the worker with SIGINT blocked, so that a Ctrl-C while it starts (a terminal sends it
     to the whole process group) cannot end it before it ignores SIGINT (protocol.run_worker). The
     mask is this thread's: a Ctrl-C meanwhile reaches the trainer through another thread, or
-    once the mask is restored."""
+    once the mask is restored. The preemption signals the worker ignores are blocked the same way."""
+
+    def __init__(self, also: tuple[int, ...] = ()):
+        self.signals = {signal.SIGINT, *also}
 
     def __enter__(self):
         from multiprocessing import resource_tracker
 
         resource_tracker.ensure_running()  # first: starting it unblocks SIGINT (for spawn, in process.start())
-        self.old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        self.old = signal.pthread_sigmask(signal.SIG_BLOCK, self.signals)
         return self
 
     def __exit__(self, *exc):

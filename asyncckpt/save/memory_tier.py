@@ -122,11 +122,12 @@ class MemoryTier:
         very save (see loading/memory_tier.restore_saved); False: nothing loaded, read its files."""
         return restore_saved(state_dict, checkpoint, self.key, self.config.memory_dir, self.group, trusted=trusted)
 
-    def close(self) -> None:
-        """A clean close removes this rank's file, unless memory_keep, or its copy is newer than
-        the disk (never dropped before it is persisted); so does no exit that follows an uncaught
-        exception (at_exit closes then): that is a crash, whose copy a restart needs."""
-        if self.config.memory_keep or getattr(sys, "last_value", None) is not None:
+    def close(self, keep: bool = False) -> None:
+        """A clean close removes this rank's file, unless memory_keep, `keep` (a preempted close
+        whose newest save is memory-only), or its copy is newer than the disk (never dropped before
+        it is persisted); so does no exit that follows an uncaught exception (at_exit closes then):
+        that is a crash, whose copy a restart needs."""
+        if keep or self.config.memory_keep or getattr(sys, "last_value", None) is not None:
             return
         if self.unpersisted is not None:
             log.info("memory tier: keeping %s: its copy of step %d is newer than the disk (the next start restores "

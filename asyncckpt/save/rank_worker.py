@@ -75,6 +75,7 @@ class RankWorker:
             nice=self.config.worker_nice,
             ionice=self.config.worker_ionice,
             memory=self.memory,
+            ignored_signals=tuple(int(number) for number in self.config.preemption_signals),
         )
         self._client = WorkerClient(settings, self.config.worker_start_timeout_s)
         self._client.start()
@@ -99,12 +100,12 @@ class RankWorker:
         self._client, self._holds, self._preparing = None, [None] * CACHE_SLOTS, None
         self._let_spare_go()
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float = 10.0) -> None:
         """Stop the worker and let go of the trainer's tensors it was tracking: a closed
         checkpointer pins none of the user's memory (on a GPU, torch warns at exit about shared
         CUDA tensors still alive then)."""
         if self._client is not None:
-            self._client.stop()
+            self._client.stop(timeout_s)  # (killed past it)
             self._client = None
         self._holds, self._preparing = [None] * CACHE_SLOTS, None
 

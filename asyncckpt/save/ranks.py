@@ -57,6 +57,8 @@ class RankGroup:
         self.collectives = 0  # issued so far (a debug figure in every SaveReport)
         self._agreements = 0
         self._broken: Optional[str] = None
+        self.signalled: Callable[[], bool] = lambda: False  # this rank got a preemption signal (preemption.py)
+        self.on_preempted: Callable[[], None] = lambda: None  # an agreement said a rank got one: every rank learns it at the same call
         if self.size > 1 and process_group is not None:
             backend = str(dist.get_backend(process_group))
             if "gloo" not in backend:
@@ -82,7 +84,8 @@ class RankGroup:
             return list(flags)
         kind = _CALL_KINDS[what]
         ident = (self._agreements, kind, step)
-        values = torch.tensor([v for x in ident for v in (x, -x)] + list(flags), dtype=torch.int64)
+        values = torch.tensor([v for x in ident for v in (x, -x)] + list(flags) + [int(self.signalled())],
+                              dtype=torch.int64)  # (the preemption flag rides along: no collective of its own)
         self._run(what, lambda: dist.all_reduce(values, op=dist.ReduceOp.MAX, group=self.pg))
         highs, lows = values[0:6:2].tolist(), [-v for v in values[1:6:2].tolist()]
         if highs != lows:
@@ -91,7 +94,9 @@ class RankGroup:
                 f"steps {lows[2]}..{highs[2]}); all ranks must call prepare, schedule_save and finalize at "
                 "the same points with the same step"
             )
-        return [int(v) for v in values[6:]]
+        if values[-1]:
+            self.on_preempted()
+        return [int(v) for v in values[6:-1]]
 
     def agree_finished(self, pending: bool, blocking: bool, step: int, bound_s: float) -> tuple[bool, bool]:
         """Whether any rank's save is still pending, and whether a rank gave up waiting for it.

@@ -1,0 +1,120 @@
+"""Preemption (issue 44): from a SIGTERM to a committed checkpoint, beside the disk's raw write.
+
+One state of --size-mib (savebench.state.build_state) in one process with
+`preemption_signals=(SIGTERM,)`. Each round: a warm save is committed, the next is scheduled
+(staged: its writes start), and SIGTERM is sent to this process at once -- the worst moment, with
+the whole save still to be written. The loop sees `ckpt.preempted`, calls `close()`: the time from
+the signal to `close()` returning (the save written, fsynced, committed, the worker stopped) is
+compared with a raw write + fsync of as many bytes to the same disk, alternating in the same run
+(goal: <= 1.2x). Also: the cost of reading `ckpt.preempted` once per step when no signal came
+(goal < 1 us). Memory-only saves are not persisted on preemption on this branch (preemption.py).
+
+    python benchmarks/bench_preemption.py --size-mib 1024 --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import statistics
+import sys
+import tempfile
+import time
+import timeit
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from savebench.state import build_state  # noqa: E402
+
+from asyncckpt import AsyncCheckpointer, CheckpointConfig  # noqa: E402
+
+CHUNK = 16 << 20
+
+
+def raw_write(path: str, nbytes: int) -> float:
+    """Seconds to write `nbytes` sequentially and fsync them (the disk's ceiling for one save)."""
+    block = os.urandom(CHUNK)
+    started = time.perf_counter()
+    with open(path, "wb", buffering=0) as f:
+        left = nbytes
+        while left > 0:
+            left -= f.write(block[: min(CHUNK, left)])
+        os.fsync(f.fileno())
+    elapsed = time.perf_counter() - started
+    os.unlink(path)
+    return elapsed
+
+
+def signal_to_committed(root: str, state: dict) -> tuple[float, float, int]:
+    """One preempted run: seconds from the signal to the commit, to close() returning (the worker
+    stopped too), and the step committed."""
+    config = CheckpointConfig(preemption_signals=(signal.SIGTERM,), worker_nice=None, worker_ionice=None)
+    ckpt = AsyncCheckpointer(root, config, no_dist=True)
+    ckpt.prepare(state)
+    ckpt.schedule_save(state, step=0)
+    ckpt.finalize(blocking=True)
+    ckpt.schedule_save(state, step=1)  # staged: its writes are all still to come
+    signalled = time.perf_counter()
+    os.kill(os.getpid(), signal.SIGTERM)
+    while not ckpt.preempted:  # (the handler runs between bytecodes of this thread)
+        time.sleep(0)
+    reports = ckpt.finalize(blocking=True)  # what close() does first
+    committed = time.perf_counter() - signalled
+    ckpt.close()
+    return committed, time.perf_counter() - signalled, reports[-1].step if reports else -1
+
+
+def preempted_cost_ns(root: str) -> float:
+    ckpt = AsyncCheckpointer(root, CheckpointConfig(preemption_signals=(signal.SIGTERM,)), no_dist=True)
+    try:
+        n = 1_000_000
+        best = min(timeit.repeat(lambda: ckpt.preempted, number=n, repeat=5))
+        empty = min(timeit.repeat(lambda: None, number=n, repeat=5))
+        return (best - empty) / n * 1e9
+    finally:
+        ckpt.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size-mib", type=int, default=1024)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--dir", default=None, help="where to write (default: a temporary folder in the cwd)")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    base = tempfile.mkdtemp(prefix="bench_preemption_", dir=args.dir or os.getcwd())
+    try:
+        state = build_state(args.size_mib * (1 << 20))
+        raw, preempt, closed = [], [], []
+        for n in range(args.rounds):
+            raw.append(raw_write(os.path.join(base, "raw.bin"), args.size_mib << 20))
+            committed, elapsed, step = signal_to_committed(os.path.join(base, f"root{n}"), state)
+            assert step == 1, f"the save in flight was not committed (step {step})"
+            preempt.append(committed)
+            closed.append(elapsed)
+            shutil.rmtree(os.path.join(base, f"root{n}"))
+        cost = preempted_cost_ns(os.path.join(base, "cost"))
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    raw_s, pre_s, close_s = statistics.median(raw), statistics.median(preempt), statistics.median(closed)
+    rows = [
+        ("raw write + fsync", raw_s, 1.0),
+        ("SIGTERM -> committed (eager, disk save in flight)", pre_s, pre_s / raw_s),
+        ("SIGTERM -> close() returned (worker stopped)", close_s, close_s / raw_s),
+    ]
+    print(f"\n{args.size_mib} MiB, median of {args.rounds} (alternating)\n")
+    print(f"| {'what':<50} | {'seconds':>8} | {'x raw':>6} |\n|{'-' * 52}|{'-' * 10}|{'-' * 8}|")
+    for what, seconds, ratio in rows:
+        print(f"| {what:<50} | {seconds:8.3f} | {ratio:6.2f} |")
+    print(f"| {'memory-only save in flight':<50} | {'n/a':>8} | {'':>6} |  (not persisted on this branch)")
+    print(f"\n`ckpt.preempted` with no signal: {cost:.0f} ns per read (goal < 1000 ns)")
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump({"size_mib": args.size_mib, "raw_s": raw, "preempt_s": preempt, "close_s": closed, "preempted_ns": cost}, f)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,229 @@
+"""Preemption (issue 44): a SIGTERM never costs more than the steps since the last staged save.
+
+Each run is a real training loop (preempt_child.py) in a session of its own, resumed from a
+committed step 0, SIGTERMed at a random moment (during load_latest, staging, a write, a commit,
+between saves): to the process alone or to its whole process group (the worker gets it too, as
+from Slurm or a terminal). Every run must end with status 143 within a bound and leave a
+checkpoint that loads, equal to the newest step staged when the loop saw `ckpt.preempted`.
+CI runs 6 at once; ASYNCCKPT_SOAK=1 runs 20.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from asyncckpt import AsyncCheckpointer, CheckpointConfig, load
+from asyncckpt.layout import read_latest_marker
+from asyncckpt.save.preemption import PREEMPTED_EXIT_CODE
+from conftest import REPO
+
+CHILD = os.path.join(os.path.dirname(__file__), "preempt_child.py")
+RUNS = 20 if os.environ.get("ASYNCCKPT_SOAK") == "1" else 6
+WINDOW_S = 2.5  # signals land uniformly over this long after the checkpointer is built
+EXIT_BOUND_S = 90.0  # from the signal to the exit (a loaded 2-core box; a run takes a few seconds)
+
+
+def child_state(value: float) -> dict:
+    return {"w": {f"t{i}": torch.full((512 * 1024,), value) for i in range(8)}, "step": int(value)}
+
+
+@pytest.fixture(scope="module")
+def seed_root(tmp_path_factory) -> str:
+    """A root with step 0 committed, as a preempt_child run leaves it."""
+    root = str(tmp_path_factory.mktemp("seed") / "root")
+    with AsyncCheckpointer(root, CheckpointConfig(worker_nice=None, worker_ionice=None), no_dist=True) as ckpt:
+        ckpt.schedule_save(child_state(0.0), step=0)
+    return root
+
+
+def start_child(root: str, grace_s: float = 20.0, steps: int = 100000) -> subprocess.Popen:
+    process = subprocess.Popen([sys.executable, "-u", CHILD, root, str(steps), str(grace_s)], cwd=REPO,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    line = process.stdout.readline()
+    assert line.strip() == "STARTED", (line, process.stderr.read() if process.poll() is not None else "")
+    return process
+
+
+def preempt_run(seed_root: str, root: str, delay_s: float, whole_group: bool) -> dict:
+    shutil.copytree(seed_root, root)
+    process = start_child(root)
+    time.sleep(delay_s)
+    os.killpg(process.pid, signal.SIGTERM) if whole_group else process.send_signal(signal.SIGTERM)
+    try:
+        out, err = process.communicate(timeout=EXIT_BOUND_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        out, err = process.communicate()
+        pytest.fail(f"no exit within {EXIT_BOUND_S}s of SIGTERM at {delay_s:.2f}s: {err[-2000:]}")
+    return {"rc": process.returncode, "out": out, "err": err, "delay": delay_s, "root": root}
+
+
+def test_sigterm_at_random_moments_commits_the_newest_staged_step(seed_root, tmp_path):
+    rng = random.Random(int(os.environ.get("ASYNCCKPT_SEED", time.time())))
+    delays = [WINDOW_S * (i + rng.random()) / RUNS for i in range(RUNS)]  # spread over the window
+    with ThreadPoolExecutor(min(RUNS, 6)) as pool:
+        runs = list(pool.map(lambda i: preempt_run(seed_root, str(tmp_path / f"run{i}"), delays[i], i % 2 == 1),
+                             range(RUNS)))
+    for run in runs:
+        said = f"SIGTERM at {run['delay']:.2f}s: {run['out']!r} {run['err'][-2000:]}"
+        assert run["rc"] == PREEMPTED_EXIT_CODE, said
+        staged = int(run["out"].split("STAGED ")[1].split()[0])
+        assert read_latest_marker(run["root"]) == f"step_{staged:08d}", said
+        state = child_state(-1.0)
+        load(state, os.path.join(run["root"], f"step_{staged:08d}"), no_dist=True)
+        assert state["step"] == staged and all(bool((t == staged).all()) for t in state["w"].values()), said
+        assert f"step {staged} committed" in run["err"] or "checkpoint is unchanged" in run["err"], said
+
+
+def test_a_grace_cut_short_leaves_the_last_committed_checkpoint(seed_root, tmp_path):
+    """The worker is stopped (SIGSTOP) mid-save: close() gives the save up when grace_s runs
+    out, says so, and the process still exits 143 with step 0 the committed checkpoint."""
+    import psutil
+
+    root = str(tmp_path / "root")
+    shutil.copytree(seed_root, root)
+    process = start_child(root, grace_s=1.0)
+    worker = None
+    deadline = time.monotonic() + 60
+    while worker is None and time.monotonic() < deadline:  # its worker, once it has saved a step
+        workers = [c for c in psutil.Process(process.pid).children() if c.name().startswith("asyncckpt-w")]
+        if workers and len(os.listdir(root)) > 3:
+            worker = workers[0]
+        time.sleep(0.05)
+    assert worker is not None
+    for proc in [worker, *worker.children(recursive=True)]:
+        proc.suspend()
+    committed_before = read_latest_marker(root)
+    started = time.monotonic()
+    process.send_signal(signal.SIGTERM)
+    out, err = process.communicate(timeout=EXIT_BOUND_S)
+    assert process.returncode == PREEMPTED_EXIT_CODE, err
+    assert time.monotonic() - started < 30, "the grace did not bound close()"
+    assert "last committed checkpoint is intact" in err, err
+    latest = read_latest_marker(root)
+    assert latest == committed_before
+    step = int(latest[5:])
+    state = child_state(-1.0)
+    load(state, os.path.join(root, latest), no_dist=True)
+    assert state["step"] == step
+
+
+def test_without_preemption_signals_nothing_changes(tmp_path):
+    before = signal.getsignal(signal.SIGTERM)
+    with AsyncCheckpointer(str(tmp_path / "r"), CheckpointConfig(), no_dist=True) as ckpt:
+        assert signal.getsignal(signal.SIGTERM) is before and not ckpt.preempted
+
+
+def test_handlers_are_installed_and_given_back(tmp_path):
+    before = signal.getsignal(signal.SIGUSR1)
+    config = CheckpointConfig(preemption_signals=(signal.SIGUSR1,))
+    ckpt = AsyncCheckpointer(str(tmp_path / "r"), config, no_dist=True)
+    try:
+        assert signal.getsignal(signal.SIGUSR1) is not before and not ckpt.preempted
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(0.01)  # (the handler runs between bytecodes)
+        assert ckpt.preempted
+    finally:
+        ckpt.close()
+    assert signal.getsignal(signal.SIGUSR1) is before
+
+
+@pytest.mark.parametrize("bad, says", [
+    ((signal.SIGKILL,), "cannot be caught"), ((signal.SIGSTOP,), "cannot be caught"), ((12345,), "not a signal"),
+    (("SIGTERM",), "not a signal"), (signal.SIGTERM, "must be a tuple"), ((signal.SIGINT,), "Ctrl-C"),
+])
+def test_bad_preemption_signals_are_refused(bad, says):
+    with pytest.raises(ValueError, match=says):
+        CheckpointConfig(preemption_signals=bad)
+
+
+def test_grace_must_be_positive():
+    with pytest.raises(ValueError, match="grace_s"):
+        CheckpointConfig(grace_s=0)
+
+
+def test_only_the_main_thread_can_install_handlers(tmp_path):
+    failures = []
+
+    def build():
+        try:
+            AsyncCheckpointer(str(tmp_path / "r"), CheckpointConfig(preemption_signals=(signal.SIGTERM,)), no_dist=True)
+        except ValueError as exc:
+            failures.append(str(exc))
+
+    thread = threading.Thread(target=build)
+    thread.start()
+    thread.join(60)
+    assert failures and "main thread" in failures[0]
+    assert not os.path.exists(tmp_path / "r" / "latest")
+
+
+def _two_ranks(rank: int, world_size: int, root: str, signal_at: int) -> None:
+    import torch.distributed as dist
+
+    state = {f"w{rank}": torch.zeros(1 << 16), "step": -1}  # (a tensor every rank has would be saved once)
+    ckpt = AsyncCheckpointer(root, CheckpointConfig(preemption_signals=(signal.SIGTERM,), worker_nice=None,
+                                                    worker_ionice=None, timeout_s=60))
+    stopped, staged = None, -1
+    for step in range(200):
+        if ckpt.preempted:
+            stopped = step
+            break
+        ckpt.finalize()
+        if rank == 1 and step == signal_at:
+            os.kill(os.getpid(), signal.SIGTERM)  # one rank only
+        state[f"w{rank}"].fill_(step * 10 + rank)
+        state["step"] = step
+        time.sleep(0.01)
+        if step % 3 == 0:
+            ckpt.schedule_save(state, step=step)
+            staged = step
+    ckpt.close()
+    assert stopped is not None, f"rank {rank} never saw preempted"
+    assert dist.is_initialized()
+    seen = [None] * world_size
+    dist.all_gather_object(seen, (stopped, staged))
+    assert len(set(seen)) == 1, f"the ranks stopped at different steps: {seen}"
+    assert read_latest_marker(root) == f"step_{staged:08d}"
+    loaded = {f"w{rank}": torch.zeros(1 << 16), "step": -1}
+    load(loaded, os.path.join(root, f"step_{staged:08d}"))
+    assert loaded["step"] == staged and bool((loaded[f"w{rank}"] == staged * 10 + rank).all())
+
+
+def test_a_signal_to_one_rank_stops_both_at_the_same_step(tmp_path):
+    from multirank import run_ranks
+
+    run_ranks(_two_ranks, 2, str(tmp_path / "root"), random.Random().randrange(2, 12), timeout_s=180)
+
+
+def test_a_memory_only_newest_save_is_kept_for_the_restart(tmp_path):
+    """Preempted with a memory-only newest save: close() keeps the tier's file (a clean close
+    removes it) and says the step is not on disk; a restart on this node restores it."""
+    root, shm = str(tmp_path / "root"), str(tmp_path / "shm")
+    os.makedirs(shm)
+    config = CheckpointConfig(preemption_signals=(signal.SIGUSR1,), memory_tier=True, memory_dir=shm,
+                              worker_nice=None, worker_ionice=None)
+    ckpt = AsyncCheckpointer(root, config, no_dist=True)
+    ckpt.schedule_save(child_state(1.0), step=1)
+    ckpt.schedule_save(child_state(2.0), step=2, memory_only=True)
+    os.kill(os.getpid(), signal.SIGUSR1)
+    time.sleep(0.01)
+    assert ckpt.preempted
+    ckpt.close()
+    assert os.listdir(shm), "the memory-only save's file was removed"
+    assert read_latest_marker(root) == "step_00000001"
+    state = child_state(-1.0)
+    with AsyncCheckpointer(root, config, no_dist=True) as again:
+        assert again.load_latest(state) == 2
+    assert state["step"] == 2 and all(bool((t == 2).all()) for t in state["w"].values())
