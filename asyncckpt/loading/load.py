@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from ..errors import CheckpointError, PartialLoadError
 from ..formats import CHECKSUM_ALGORITHM, Sidecar
+from .broadcast import load_group, open_shared
 from .opened import OpenCheckpoint, as_open, read_metadata
 from .ring import check_ring_bytes
 from .safe_reader import SafeLoadPlanner, SafeReader
@@ -58,7 +59,9 @@ def load(
     check_ring_bytes(ring_bytes)
     if storage_reader is None:
         try:  # a store that cannot be read (after its retries) fails here too, before anything was read
-            opened = as_open(path, trusted=trusted)  # a refused .metadata fails here, with its own message, on every rank
+            # a refused .metadata fails here, with its own message, on every rank; resume at scale:
+            # read by one rank, sent to the others (broadcast.py)
+            opened = open_shared(path, trusted=trusted, group=load_group(process_group, no_dist))
         except OSError as exc:
             raise CheckpointError(f"loading {path!r} failed: {exc}; {NOT_CHANGED}") from exc
         path = opened.path
