@@ -61,11 +61,13 @@ def load(
         try:  # a store that cannot be read (after its retries) fails here too, before anything was read
             # a refused .metadata fails here, with its own message, on every rank; resume at scale:
             # read by one rank, sent to the others (broadcast.py)
-            opened = open_shared(path, trusted=trusted, group=load_group(process_group, no_dist))
+            shared_by = load_group(process_group, no_dist)
+            opened = open_shared(path, trusted=trusted, group=shared_by)
         except OSError as exc:
             raise CheckpointError(f"loading {path!r} failed: {exc}; {NOT_CHANGED}") from exc
         path = opened.path
         reader = SafeReader(opened, trusted=trusted, checksums=checksums, ring_bytes=ring_bytes)
+        reader.shared_by = shared_by  # resume at scale: items several ranks read, read once (replicated.py)
     else:
         opened, reader = None, storage_reader
     check_no_stateless_optimizer(state_dict, reader.read_metadata(), path)

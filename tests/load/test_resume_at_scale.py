@@ -1,9 +1,12 @@
-"""Resume at scale (loading/broadcast.py): a job opens a checkpoint once, not once per rank.
+"""Resume at scale (loading/broadcast.py, loading/replicated.py): a job opens a checkpoint once,
+not once per rank, and reads the bytes several ranks load once.
 
 Four gloo ranks load one checkpoint the way DDP resumes (every rank the whole state), through
 `asyncckpt.load` and through `load_latest`'s resume; every read of the storage is counted in
 each rank (the local storage's whole-file reads, the reader's positional reads). `.metadata` and
-the checksums sidecar must be read once per job, the state must equal what was saved. A reading
+the checksums sidecar must be read once per job, every item's bytes once (1.0x the checkpoint,
+spread over the ranks), the state must equal what was saved; the same with 2x2 HSDP-like ranks
+(two replicas of two shards). A reading
 rank that dies in the broadcast makes the others raise within the group's timeout."""
 
 from __future__ import annotations
@@ -59,7 +62,7 @@ class ReadCounter:
                 counter.counts["metadata"] += 1
             elif name.startswith(".checksums"):
                 counter.counts["sidecar"] += 1
-            else:
+            elif name.endswith(".distcp"):  # not `latest`, which every rank reads (a few bytes)
                 counter.counts["data_bytes"] += len(data)
             return data
 
@@ -98,7 +101,14 @@ def _ddp_resume(rank: int, world: int, root: str, path: str, out: str) -> None:
         json.dump({"load": by_load, "load_latest": counter.take()}, f)
 
 
-def test_ddp_resume_reads_metadata_once_per_job(tmp_path):
+def stored_bytes(path: str) -> int:
+    """The bytes of every item the checkpoint's .metadata names."""
+    from asyncckpt.loading.opened import open_checkpoint
+
+    return sum(info.length for info in open_checkpoint(path).metadata.storage_data.values())
+
+
+def test_ddp_resume_reads_metadata_once_and_every_byte_once_per_job(tmp_path):
     root = str(tmp_path / "root")
     path = saved_step_one(root, replicated_state())
     out = tmp_path / "counts"
@@ -109,6 +119,9 @@ def test_ddp_resume_reads_metadata_once_per_job(tmp_path):
         assert sum(c[call]["metadata"] for c in counts) == 1, (call, counts)
         assert sum(c[call]["sidecar"] for c in counts) == 1, (call, counts)
         assert counts[0][call]["metadata"] == 1  # the group's rank 0 reads; the others read none of it
+        # replicated items: each read by one rank, sent to the others: 1.0x the checkpoint's bytes, not 4x
+        assert sum(c[call]["data_bytes"] for c in counts) == stored_bytes(path), (call, counts)
+        assert all(c[call]["data_bytes"] < stored_bytes(path) * 0.6 for c in counts), (call, counts)  # spread
 
 
 def _reader_dies(rank: int, world: int, path: str, out: str) -> None:
@@ -143,3 +156,32 @@ def test_without_a_process_group_each_process_reads_itself_and_says_so(tmp_path,
         load(state, path)
     assert_state_equal(state, expected)
     assert any("on this rank alone" in r.getMessage() for r in caplog.records)
+
+
+def hsdp_state() -> dict:
+    """Two shards (each held by one rank of each of two replicas) and an object every rank loads."""
+    g = torch.Generator().manual_seed(46)
+    state = {f"shard{s}.layer{n}": torch.randn(48, 80 + n, generator=g) for s in range(2) for n in range(3)}
+    state["step"] = 9
+    return state
+
+
+def _hsdp_load(rank: int, world: int, path: str, out: str) -> None:
+    counter = ReadCounter()
+    shard = rank % 2  # ranks 0, 1: replica 0; ranks 2, 3: replica 1
+    expected = {k: v for k, v in hsdp_state().items() if k.startswith(f"shard{shard}.") or k == "step"}
+    state = zeroed(expected)
+    load(state, path)
+    assert_state_equal(state, expected)
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(counter.take(), f)
+
+
+def test_hsdp_like_resume_reads_every_byte_once_per_job(tmp_path):
+    path = saved_step_one(str(tmp_path / "root"), hsdp_state())
+    out = tmp_path / "counts"
+    out.mkdir()
+    run_ranks(_hsdp_load, WORLD, path, str(out))
+    counts = [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    assert sum(c["data_bytes"] for c in counts) == stored_bytes(path), counts
+    assert sum(c["metadata"] for c in counts) == 1, counts
