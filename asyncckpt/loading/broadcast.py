@@ -60,7 +60,8 @@ def load_group(process_group: Any = None, no_dist: bool = False) -> Optional[Loa
     if "gloo" not in str(dist.get_backend(pg)):
         if pg not in _gloo_groups:
             _gloo_groups[pg] = dist.new_group(
-                ranks=dist.get_process_group_ranks(pg), backend="gloo", timeout=timedelta(seconds=LOAD_TIMEOUT_S)
+                ranks=dist.get_process_group_ranks(pg), backend="gloo", timeout=timedelta(seconds=LOAD_TIMEOUT_S),
+                use_local_synchronization=True,  # the ranks of `pg` make it, not every rank of the job
             )
         pg = _gloo_groups[pg]
     return LoadGroup(pg, dist.get_rank(pg), dist.get_world_size(pg), dist.get_global_rank(pg, 0))

@@ -103,9 +103,9 @@ def share_reads(
         error = str(exc)
     _exchange_errors(group, error)
     for members, reader, items in shares.rounds():
-        pg = _subgroup(group, members)
         if me not in members:
             continue
+        pg = _subgroup(group, members)
         got.update(_broadcast_round(items, reader, got, group, pg))
     return SharedSource(source, got, files)
 
@@ -133,14 +133,14 @@ _subgroups: dict[tuple[int, tuple[int, ...]], object] = {}
 
 
 def _subgroup(group: LoadGroup, members: tuple[int, ...]):
-    """The gloo group of `members` (ranks of `group`): the whole group, or one made for them
-    (every rank of `group` makes it, in the same order: a collective)."""
+    """The gloo group of `members` (ranks of `group`): the whole group, or one made for them once
+    (by the members only, each in the same order of rounds)."""
     if len(members) == group.size:
         return group.pg
     key = (id(group.pg), members)
     if key not in _subgroups:
         ranks = [dist.get_global_rank(group.pg, r) for r in members]
-        _subgroups[key] = dist.new_group(ranks=ranks, backend="gloo", timeout=_timeout(group))
+        _subgroups[key] = dist.new_group(ranks=ranks, backend="gloo", timeout=_timeout(group), use_local_synchronization=True)
     return _subgroups[key]
 
 
