@@ -14,6 +14,10 @@ fsynced and its pages dropped with posix_fadvise(DONTNEED)) and warm (just read 
   asyncckpt.load (dcp.save)    asyncckpt.load on the dcp.save checkpoint
   restart from memory           load_latest of a root whose newest save the memory tier holds (/dev/shm; cold:
                                the disk's pages dropped, the tier is memory), beside load_latest from the disk
+  N-rank DDP restart            --ddp-ranks (default 4) gloo ranks each loading the whole checkpoint: shared (the job's
+                               process group: .metadata and every item read by one rank, sent to the others)
+                               against every rank reading on its own, taken in turns; with the storage bytes all
+                               ranks read over the checkpoint's size (loadbench/ddp.py). --ddp-only: just these.
   with --s3, warm only, the torch_save checkpoint put on a local S3 server (moto_server, loopback):
   asyncckpt.load (s3)          ranged GETs on a pool of threads
   dcp.load (msc reader, s3)    stock dcp.load with multi-storage-client's MultiStorageFileSystemReader
@@ -51,6 +55,7 @@ import torch.distributed.checkpoint as dcp
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from savebench.measure import PeakSampler, family_pss  # noqa: E402
 from savebench.state import build_state, state_tensors  # noqa: E402
+from loadbench import ddp  # noqa: E402
 
 import asyncckpt  # noqa: E402
 from asyncckpt import AsyncCheckpointer, CheckpointConfig  # noqa: E402
@@ -298,6 +303,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--dir", default=None, help="where the checkpoints go (default: a temp dir under bench_out/)")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     parser.add_argument("--s3", action="store_true", help="add the object-store rows (a local moto_server; warm only)")
+    parser.add_argument("--ddp-ranks", type=int, default=4, help="ranks of the DDP restart rows (0: none; default 4)")
+    parser.add_argument("--ddp-only", action="store_true", help="only the DDP restart rows")
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     os.makedirs("bench_out", exist_ok=True)
@@ -307,6 +314,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         state_bytes = sum(t.numel() * t.element_size() for t in state_tensors(state))
         print(f"state: {len(state_tensors(state))} tensors, {state_bytes / MiB:.0f} MiB; saving ...", file=sys.stderr)
         paths = {fmt: os.path.join(root, fmt) for fmt in ("torch_save", "safetensors")}
+        if args.ddp_only:
+            return _ddp_only(state, paths["torch_save"], args)
         for fmt, path in paths.items():
             with AsyncCheckpointer(config=CheckpointConfig(format=fmt)) as ckpt:
                 ckpt.schedule_save(state, checkpoint_dir=path)
@@ -365,7 +374,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                     target = empty_like_state(state)
         raw_dest = torch.ones(sum(os.path.getsize(f) for f in data_files(paths["torch_save"])), dtype=torch.uint8)
         raw_view = memoryview(raw_dest.numpy())
-        table = render(results, state_bytes)
+        ddp_rows = ddp.ddp_rows(paths["torch_save"], args.ddp_ranks, args.repeat) if args.ddp_ranks > 1 else []
+        table = render(results, state_bytes) + ("\n\n" + ddp.render(ddp_rows) if ddp_rows else "")
         figures = {**ratios(results), **turn_ratios(turns)}
         print(f"\nload, {state_bytes / MiB:.0f} MiB state, {len(state_tensors(state))} tensors, one run, "
               f"median of {args.repeat}; "
@@ -379,10 +389,25 @@ def main(argv: Optional[list[str]] = None) -> int:
             with open(args.out, "w") as f:
                 json.dump({"state_bytes": state_bytes, "threads": LocalFiles.threads, "piece_bytes": LocalFiles.piece_bytes,
                            "results": [asdict(r) for r in results], "ratios": figures,
+                           "ddp_restart": [asdict(r) for r in ddp_rows],
                            "in_turns": {"rounds": args.turns, "median_s": turns}}, f, indent=1)
     finally:
         if args.dir is None:
             shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
+def _ddp_only(state: dict[str, Any], path: str, args) -> int:
+    """The DDP restart rows alone (a quick run on a busy box)."""
+    with AsyncCheckpointer(config=CheckpointConfig()) as ckpt:
+        ckpt.schedule_save(state, checkpoint_dir=path)
+    rows = ddp.ddp_rows(path, args.ddp_ranks, args.repeat)
+    state_bytes = sum(t.numel() * t.element_size() for t in state_tensors(state))
+    print(f"\nrestart, {state_bytes / MiB:.0f} MiB state, {args.ddp_ranks} gloo ranks, one run, median of {args.repeat} "
+          f"rounds taken in turns\n{ddp.render(rows)}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"state_bytes": state_bytes, "ddp_restart": [asdict(r) for r in rows]}, f, indent=1)
     return 0
 
 

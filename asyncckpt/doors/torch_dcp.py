@@ -49,7 +49,8 @@ from ..config import CheckpointConfig
 from .door_config import check_door_config
 from ..errors import CheckpointError
 from ..loading.load import load as load_checkpoint
-from ..loading.opened import OpenCheckpoint, open_checkpoint
+from ..loading.broadcast import load_group, open_shared
+from ..loading.opened import OpenCheckpoint
 from ..loading.safe_reader import read_metadata
 from ..layout import METADATA_FILE
 from ..save.ranks import collective_timeout_s
@@ -103,7 +104,8 @@ def load(
     """Load a checkpoint async_save wrote into `state_dict` in place (the resume's call, as
     torch.distributed.checkpoint.load): from the memory tier when it is configured and holds that
     very save, else from its files (asyncckpt.load: objects with weights_only unless `trusted`)."""
-    opened = open_checkpoint(os.fspath(checkpoint_id), trusted=trusted)
+    # resume at scale: .metadata read by one rank, sent to the others (loading/broadcast.py)
+    opened = open_shared(os.fspath(checkpoint_id), trusted=trusted, group=load_group(process_group, no_dist))
     if _config.memory_tier and _door_for(process_group, no_dist, True).load_saved(state_dict, opened, trusted):
         return
     load_checkpoint(state_dict, opened, trusted=trusted, process_group=process_group, no_dist=no_dist)

@@ -17,6 +17,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from ..errors import CheckpointError, PartialLoadError
 from ..formats import CHECKSUM_ALGORITHM, Sidecar
+from .broadcast import load_group, open_shared
 from .completeness import expand_statefuls, receive_everything
 from .opened import OpenCheckpoint, as_open, read_metadata
 from .ring import check_ring_bytes
@@ -60,11 +61,15 @@ def load(
     check_ring_bytes(ring_bytes)
     if storage_reader is None:
         try:  # a store that cannot be read (after its retries) fails here too, before anything was read
-            opened = as_open(path, trusted=trusted)  # a refused .metadata fails here, with its own message, on every rank
+            # a refused .metadata fails here, with its own message, on every rank; resume at scale:
+            # read by one rank, sent to the others (broadcast.py)
+            shared_by = load_group(process_group, no_dist)
+            opened = open_shared(path, trusted=trusted, group=shared_by)
         except OSError as exc:
             raise CheckpointError(f"loading {path!r} failed: {exc}; {NOT_CHANGED}") from exc
         path = opened.path
         reader = SafeReader(opened, trusted=trusted, checksums=checksums, ring_bytes=ring_bytes)
+        reader.shared_by = shared_by  # resume at scale: items several ranks read, read once (replicated.py)
     else:
         opened, reader = None, storage_reader
     use_dist = not no_dist and dist.is_available() and dist.is_initialized()

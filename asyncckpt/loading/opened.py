@@ -68,6 +68,7 @@ class OpenCheckpoint:
     _sidecar: Optional[Sidecar] = field(default=None, repr=False)  # with the items of the parts read so far
     _parts_read: set[str] = field(default_factory=set, repr=False)
     _sizes: dict[str, int] = field(default_factory=dict, repr=False)
+    _sidecar_bytes: Optional[bytes] = field(default=None, repr=False)  # resume at scale: sent by the rank that read it (broadcast.py)
 
     @property
     def sidecar_file(self) -> Optional[str]:
@@ -83,7 +84,7 @@ class OpenCheckpoint:
         if self.sidecar_file is None:
             return None
         if self._sidecar is None:
-            self._sidecar = read_sidecar(self.storage, self.path, self.sidecar_file, data_files=())
+            self._sidecar = read_sidecar(self.storage, self.path, self.sidecar_file, data_files=(), data=self._sidecar_bytes)
         missing = [p for p in parts_holding(self._sidecar, data_files) if p.file not in self._parts_read]
         if missing:
             items = list(self._sidecar.items)
@@ -111,8 +112,14 @@ def open_checkpoint(path: str, *, trusted: bool = False) -> OpenCheckpoint:
     `.metadata` fully (paths are checked either way)."""
     storage = storage_for(path)
     require_committed(path, storage)
+    return opened_from_bytes(path, storage, storage.read_bytes(storage.join(path, METADATA_FILE)), trusted)
+
+
+def opened_from_bytes(path: str, storage: Storage, data: bytes, trusted: bool = False) -> OpenCheckpoint:
+    """The checkpoint at `path` whose `.metadata` holds `data` (read here, or by another rank:
+    loading/broadcast.py), unpickled safely and its paths checked."""
     source = storage.join(path, METADATA_FILE)
-    metadata = load_metadata(storage.read_bytes(source), source, trusted)
+    metadata = load_metadata(data, source, trusted)
     return OpenCheckpoint(path, storage, metadata, trusted, _checked_files(storage, path, metadata))
 
 

@@ -19,7 +19,7 @@ from typing import Any, Optional, Protocol
 
 from ..errors import CheckpointError, PartialLoadError
 from .load import NOT_CHANGED, PARTLY_LOADED, damage_of, load, resume_order
-from .opened import open_checkpoint
+from .broadcast import load_group, open_shared
 from ..layout import CheckpointInfo
 
 log = logging.getLogger("asyncckpt")
@@ -73,7 +73,9 @@ def resume(
     for n, info in enumerate(candidates):
         opened = None  # the checkpoint, opened once for its load and its damage check
         try:
-            opened = open_checkpoint(info.path, trusted=trusted)
+            # resume at scale: .metadata read by one rank of the job, sent to the others (broadcast.py)
+            shared_by = load_group(group.pg, no_dist=getattr(group, "size", 2) == 1)
+            opened = open_shared(info.path, trusted=trusted, group=shared_by)
             load(state_dict, opened, trusted=trusted, process_group=group.pg, checksums=checksums,
                  strict=not allow_partial)
         except CheckpointError as exc:

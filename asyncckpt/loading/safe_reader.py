@@ -25,6 +25,8 @@ from ..layout import METADATA_FILE, is_safetensors_file
 from .byte_sources import LocalFiles, ObjectRanges
 from .opened import OpenCheckpoint, open_checkpoint, opened_with, read_metadata
 from .reader import ItemRead, fetch_items, place_items
+from .broadcast import LoadGroup
+from .replicated import ReadShares, SharedItem, assign_shared_reads, failures_told, share_reads
 from .ring import check_ring_bytes
 from .safety import (
     TRUST_HINT, check_ranges, load_object, load_tensor, raw_tensor, refused_globals, refused_objects_text,
@@ -72,6 +74,7 @@ class SafeReader(StorageReader):
         self.ring_bytes = check_ring_bytes(ring_bytes)
         self.use_checksums = checksums
         self._transforms = _StorageReaderTransforms()
+        self.shared_by: Optional[LoadGroup] = None  # resume at scale: the ranks replicated reads are shared with (load sets it)
         self.reset(checkpoint)
 
     def reset(self, checkpoint_id=None) -> None:
@@ -141,37 +144,48 @@ class SafeReader(StorageReader):
         return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        if self.shared_by is not None:  # resume at scale: items several ranks read, read once (replicated.py)
+            return assign_shared_reads(plans, self.metadata)
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         if not self.trusted and not isinstance(planner, SafeLoadPlanner):
             if any(req.type == LoadItemType.BYTE_IO for req in plan.items):
                 raise CheckpointError(f"{self.path}: objects are unpickled by the planner: use SafeLoadPlanner, or {TRUST_HINT}")
+        shares = plan.storage_data if isinstance(plan.storage_data, ReadShares) else None  # resume at scale
         per_file: dict[str, list[ReadItem]] = {}
-        for req in plan.items:
-            per_file.setdefault(self.metadata.storage_data[req.storage_index].relative_path, []).append(req)
         files = self.opened.files
-        for relative_path, reqs in per_file.items():  # every range checked before anything is read
-            size = self._file_size(relative_path, reqs)
-            ranges = [(_item_name(r), self.metadata.storage_data[r.storage_index].offset,
-                       self.metadata.storage_data[r.storage_index].length) for r in reqs]
-            check_ranges(files[relative_path], sorted(ranges, key=lambda r: r[1]), size)
-        if self.sidecar is not None and self.sidecar.parts:  # (read in prepare_local_plan under DCP)
-            self._load_parts_for(per_file)
-        items = [self._item_read(files[info_path], req, planner) for info_path, reqs in per_file.items() for req in reqs]
+        with failures_told(shares, self.shared_by):  # a rank failing here fails the ranks it shares reads with
+            for req in plan.items:
+                per_file.setdefault(self.metadata.storage_data[req.storage_index].relative_path, []).append(req)
+            for relative_path, reqs in per_file.items():  # every range checked before anything is read
+                size = self._file_size(relative_path, reqs)
+                ranges = [(_item_name(r), self.metadata.storage_data[r.storage_index].offset,
+                           self.metadata.storage_data[r.storage_index].length) for r in reqs]
+                check_ranges(files[relative_path], sorted(ranges, key=lambda r: r[1]), size)
+            if self.sidecar is not None and self.sidecar.parts:  # (read in prepare_local_plan under DCP)
+                self._load_parts_for(per_file)
+            items = [self._item_read(files[info_path], req, planner) for info_path, reqs in per_file.items() for req in reqs]
         sidecar = self.sidecar if self.checksums else None
+        source = self._source()
+        if shares is not None and self.shared_by is not None:  # resume at scale: read once, broadcast (replicated.py)
+            source = share_reads(shares, self.shared_by, files, source, self._expected_crc,
+                                 sidecar.checksum if sidecar is not None else None)
         objects = [item for item in items if item.req.type == LoadItemType.BYTE_IO]
         unread = items
         if objects and not self.trusted:  # read apart, first: nothing of the state is written yet
-            fetch_items(objects, sidecar, self._source())
+            fetch_items(objects, sidecar, source)
             self._refuse_unsafe_objects(objects)
             unread = [item for item in items if item.req.type != LoadItemType.BYTE_IO]
         self.touched = True
-        fetch_items(unread, sidecar, self._source(), self.ring_bytes)
+        fetch_items(unread, sidecar, source, self.ring_bytes)
         place_items(items, planner, lambda item: self._place(item.path, item.req, bytes(item.data), planner))
         done: Future = Future()
         done.set_result(None)
         return done
+
+    def _expected_crc(self, item: SharedItem) -> Optional[int]:
+        return self.checksums.get((item.relative_path, item.offset, item.length))
 
     def _source(self):
         storage = self.opened.storage

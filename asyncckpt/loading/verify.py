@@ -75,12 +75,15 @@ def stale_sidecars(storage: Storage, path: str, names: list[str], metadata: Meta
     return stale + [n for n in parts if n not in used]
 
 
-def read_sidecar(storage: Storage, path: str, file: str, data_files: Optional[Iterable[str]] = None) -> Sidecar:
+def read_sidecar(
+    storage: Storage, path: str, file: str, data_files: Optional[Iterable[str]] = None, data: Optional[bytes] = None
+) -> Sidecar:
     """The sidecar `file` of checkpoint `path`, parsed, with the items of its parts that hold
     `data_files` (None: of every part); CheckpointError naming the file if it or a part is
-    damaged, unreadable or another save's, or names a file outside the checkpoint."""
+    damaged, unreadable or another save's, or names a file outside the checkpoint. `data`: its
+    bytes, already read (by another rank)."""
     try:
-        sidecar = decode_checksums(storage.read_bytes(file))
+        sidecar = decode_checksums(storage.read_bytes(file) if data is None else data)
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{file}: damaged or unreadable checksums sidecar: {exc}") from None
     _check_paths(storage, path, file, {e.relative_path for e in sidecar.items})

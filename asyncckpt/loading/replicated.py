@@ -1,0 +1,283 @@
+"""Resume at scale: bytes that several ranks load read from storage once per job.
+
+With DDP every rank loads the same full tensors; with HSDP every rank of a replicate group the
+same shards: the same (file, offset, length) read by k ranks is k times the storage traffic.
+The coordinator sees every rank's load plan (DCP's global plan step, `SafeReader.
+prepare_global_plan`): an item read by several ranks is *shared* by them; one of them, chosen so
+each reads about 1/k of the bytes, reads it (checking its checksum) and broadcasts it to the
+others (gloo; one broadcast per reading rank and group of ranks), which check the payload's
+length and CRC32C (and the sidecar's checksum when they have it). No user flag: the plans say
+which ranks read what.
+
+Then every rank loads as before through `SharedSource`, which serves the shared items' bytes
+from memory and passes any other read to the storage. The shared bytes are held in host memory
+until the load ends: `SHARED_BYTES_MAX` bounds them per load (items past it are read by every
+rank that needs them, as before). On GPU the payloads go through gloo too (not yet NCCL into
+the device targets).
+"""
+
+from __future__ import annotations
+
+import bisect
+from contextlib import contextmanager
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from datetime import timedelta
+from typing import Callable, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import LoadPlan
+
+from ..errors import CheckpointError, PartialLoadError
+from ..formats import crc32c
+from .broadcast import LOAD_TIMEOUT_S, LoadGroup
+from .byte_sources import ByteSource
+
+SHARED_BYTES_MAX = 4 << 30  # host memory a load may hold shared bytes in, per rank
+
+
+@dataclass(frozen=True)
+class SharedItem:
+    """One stored item several ranks read: its bytes in its file, who reads it from storage."""
+
+    relative_path: str
+    offset: int
+    length: int
+    reader: int  # the rank of the load's group that reads it
+    members: tuple[int, ...]  # every rank of the group that needs it (the reader among them)
+
+
+@dataclass(frozen=True)
+class ReadShares:
+    """The coordinator's verdict, sent to every rank with its plan (`LoadPlan.storage_data`)."""
+
+    items: tuple[SharedItem, ...]
+
+    def rounds(self) -> list[tuple[tuple[int, ...], int, list[SharedItem]]]:
+        """(members, reader, its items) in the order every rank runs the broadcasts."""
+        grouped: dict[tuple[tuple[int, ...], int], list[SharedItem]] = {}
+        for item in self.items:
+            grouped.setdefault((item.members, item.reader), []).append(item)
+        return [(members, reader, grouped[(members, reader)]) for members, reader in sorted(grouped)]
+
+
+def assign_shared_reads(plans: list[LoadPlan], metadata: Metadata, budget: int = SHARED_BYTES_MAX) -> list[LoadPlan]:
+    """Every rank's plan with the shared reads attached (unchanged when no item is read twice)."""
+    readers_of: dict[tuple[str, int, int], set[int]] = {}
+    for rank, plan in enumerate(plans):
+        for req in plan.items:
+            info = metadata.storage_data[req.storage_index]
+            readers_of.setdefault((info.relative_path, info.offset, info.length), set()).add(rank)
+    load: dict[int, int] = {}  # bytes each rank reads for others so far
+    shared: list[SharedItem] = []
+    held = 0
+    for (path, offset, length), ranks in sorted(readers_of.items(), key=lambda kv: -kv[0][2]):
+        if len(ranks) < 2 or held + length > budget:
+            continue
+        reader = min(sorted(ranks), key=lambda r: load.get(r, 0))  # spread: ~1/k of the bytes each
+        load[reader] = load.get(reader, 0) + length
+        held += length
+        shared.append(SharedItem(path, offset, length, reader, tuple(sorted(ranks))))
+    if not shared:
+        return plans
+    shares = ReadShares(tuple(sorted(shared, key=lambda s: (s.relative_path, s.offset))))
+    return [replace(plan, storage_data=shares) for plan in plans]
+
+
+def share_reads(
+    shares: ReadShares, group: LoadGroup, files: dict[str, str], source: ByteSource,
+    expected_crc: Callable[[SharedItem], Optional[int]], checksum: Optional[Callable[[bytes], int]],
+) -> "SharedSource":
+    """Read this rank's share of the shared items, broadcast every share to its ranks, and return
+    a source serving the items this rank needs from memory. A collective over `group`: every rank
+    calls it with the same `shares`. Nothing of the caller's state is written here."""
+    me = group.rank
+    mine = [item for item in shares.items if item.reader == me]
+    error = None
+    got: dict[SharedItem, bytes] = {}
+    try:
+        got = _read_own(mine, files, source, expected_crc, checksum)
+    except CheckpointError as exc:
+        error = str(exc)
+    _exchange_errors(group, error)
+    for members, reader, items in shares.rounds():
+        if me not in members:
+            continue
+        pg = _subgroup(group, members)
+        got.update(_broadcast_round(items, reader, got, group, pg))
+    return SharedSource(source, got, files)
+
+
+def _read_own(items, files, source, expected_crc, checksum) -> dict[SharedItem, bytes]:
+    """The items this rank reads for its group, each checked against its checksum."""
+    def read(item: SharedItem) -> bytes:
+        data = bytearray(item.length)
+        what = f"{files[item.relative_path]}: bytes {item.offset}..{item.offset + item.length}"
+        try:
+            source.read_into(files[item.relative_path], item.offset, [memoryview(data)], what)
+        except PartialLoadError as exc:  # nothing of the state was written yet
+            raise CheckpointError(str(exc)) from None
+        expected = expected_crc(item)
+        if checksum is not None and expected is not None and checksum(data) != expected:
+            raise CheckpointError(f"{what}: checksum mismatch (expected {expected:08x})")
+        return bytes(data)
+    if not items:
+        return {}
+    with ThreadPoolExecutor(max_workers=source.threads, thread_name_prefix="asyncckpt-shared") as pool:
+        return dict(zip(items, pool.map(read, items)))
+
+
+_subgroups: dict[tuple[int, tuple[int, ...]], object] = {}
+
+
+def _subgroup(group: LoadGroup, members: tuple[int, ...]):
+    """The gloo group of `members` (ranks of `group`): the whole group, or one made for them once
+    (by the members only, each in the same order of rounds)."""
+    if len(members) == group.size:
+        return group.pg
+    key = (id(group.pg), members)
+    if key not in _subgroups:
+        ranks = [dist.get_global_rank(group.pg, r) for r in members]
+        _subgroups[key] = dist.new_group(ranks=ranks, backend="gloo", timeout=_timeout(group), use_local_synchronization=True)
+    return _subgroups[key]
+
+
+def _timeout(group: LoadGroup) -> timedelta:
+    return timedelta(seconds=LOAD_TIMEOUT_S)
+
+
+def _broadcast_round(items, reader, got, group: LoadGroup, pg) -> dict[SharedItem, bytes]:
+    """One reader's items to its group of ranks: one broadcast of their CRC32Cs, one of their bytes.
+    A receiver checks each item's length and CRC32C (and, as it loads, the sidecar's checksum)."""
+    total = sum(item.length for item in items)
+    src = dist.get_global_rank(group.pg, reader)
+    if group.rank == reader:
+        crcs = torch.tensor([crc32c(got[item]) for item in items], dtype=torch.int64)
+        payload = torch.frombuffer(bytearray(b"".join(got[item] for item in items)) or bytearray(1), dtype=torch.uint8)
+    else:
+        crcs = torch.zeros(len(items), dtype=torch.int64)
+        payload = torch.empty(max(total, 1), dtype=torch.uint8)
+    _collective(lambda: dist.broadcast(crcs, src=src, group=pg), group, src)
+    if total:
+        _collective(lambda: dist.broadcast(payload, src=src, group=pg), group, src)
+    if group.rank == reader:
+        return {}
+    view, at, out = memoryview(payload.numpy()), 0, {}
+    for item, crc in zip(items, crcs.tolist()):
+        data = bytes(view[at:at + item.length])
+        at += item.length
+        if len(data) != item.length or crc32c(data) != crc:
+            raise CheckpointError(
+                f"{item.relative_path}: bytes {item.offset}..{item.offset + item.length} sent by rank {src} arrived damaged"
+            )
+        out[item] = data
+    return out
+
+
+def _collective(run: Callable[[], object], group: LoadGroup, src: Optional[int] = None) -> None:
+    try:
+        run()
+    except Exception as exc:  # gloo: a peer gone, or the group's timeout
+        who = f" from rank {src}" if src is not None else ""
+        raise CheckpointError(f"sharing replicated reads{who} failed ({type(exc).__name__}: {exc})") from None
+
+
+class SharedSource(ByteSource):
+    """Reads served from the shared items' bytes where they cover them, from `base` elsewhere."""
+
+    def __init__(self, base: ByteSource, got: dict[SharedItem, bytes], files: dict[str, str]) -> None:
+        self.base = base
+        self.threads, self.piece_bytes = base.threads, base.piece_bytes
+        self.step_bytes, self.whole_item_bytes = base.step_bytes, base.whole_item_bytes
+        self._ranges: dict[str, list[tuple[int, int, bytes]]] = {}
+        for item, data in got.items():
+            self._ranges.setdefault(files[item.relative_path], []).append((item.offset, item.offset + item.length, data))
+        for ranges in self._ranges.values():
+            ranges.sort()
+        self._starts = {path: [r[0] for r in ranges] for path, ranges in self._ranges.items()}
+
+    def open(self, paths: set[str]) -> None:
+        self.base.open(paths)
+
+    def close(self) -> None:
+        self.base.close()
+
+    def _spans(self, path: str, offset: int, n: int):
+        """(start, end, bytes or None) covering [offset, offset + n): held bytes, or None for the storage's."""
+        ranges, starts = self._ranges.get(path, []), self._starts.get(path, [])
+        at, end = offset, offset + n
+        i = max(bisect.bisect_right(starts, at) - 1, 0)
+        while at < end:
+            while i < len(ranges) and ranges[i][1] <= at:
+                i += 1
+            if i < len(ranges) and ranges[i][0] <= at:
+                stop = min(end, ranges[i][1])
+                yield at, stop, memoryview(ranges[i][2])[at - ranges[i][0]:stop - ranges[i][0]]
+            else:
+                stop = min(end, ranges[i][0]) if i < len(ranges) else end
+                yield at, stop, None
+            at = stop
+
+    def read(self, path: str, offset: int, n: int) -> bytes:
+        out = bytearray()
+        for start, stop, held in self._spans(path, offset, n):
+            if held is not None:
+                out += held
+            else:
+                data = self.base.read(path, start, stop - start)
+                out += data
+                if len(data) < stop - start:
+                    break
+        return bytes(out)
+
+    def read_into(self, path: str, offset: int, buffers: list[memoryview], what: str) -> None:
+        flat = list(buffers)  # bytes ("B") views, as the reader makes them
+        total = sum(len(b) for b in flat)
+        for start, stop, held in self._spans(path, offset, total):
+            targets = _slice(flat, start - offset, stop - offset)
+            if held is None:
+                self.base.read_into(path, start, targets, what)
+            else:
+                at = 0
+                for target in targets:
+                    target[:] = held[at:at + len(target)]
+                    at += len(target)
+
+
+def _slice(buffers: list[memoryview], start: int, stop: int) -> list[memoryview]:
+    """The part [start, stop) of `buffers` laid end to end, as views."""
+    out, at = [], 0
+    for buffer in buffers:
+        lo, hi = max(start - at, 0), min(stop - at, len(buffer))
+        if lo < hi:
+            out.append(buffer[lo:hi])
+        at += len(buffer)
+        if at >= stop:
+            break
+    return out
+
+
+@contextmanager
+def failures_told(shares: Optional[ReadShares], group: Optional[LoadGroup]) -> Iterator[None]:
+    """Around what a rank does before `share_reads`: an error there is told to the other ranks
+    (they wait for it in `share_reads`), then raised here."""
+    try:
+        yield
+    except Exception as exc:
+        if shares is not None and group is not None:
+            try:
+                _exchange_errors(group, str(exc))
+            except CheckpointError:
+                pass  # this rank's own error is the one to raise
+        raise
+
+
+def _exchange_errors(group: LoadGroup, error: Optional[str]) -> None:
+    """Every rank's error (None: fine) on every rank; CheckpointError naming each rank that failed."""
+    errors: list[Optional[str]] = [None] * group.size
+    _collective(lambda: dist.all_gather_object(errors, error, group=group.pg), group)
+    failed = [(r, e) for r, e in enumerate(errors) if e]
+    if failed:
+        raise CheckpointError("; ".join(f"rank {dist.get_global_rank(group.pg, r)}: {e}" for r, e in failed))

@@ -1,0 +1,1 @@
+"""Helpers of bench_load.py."""

@@ -1,0 +1,187 @@
+"""Resume at scale (loading/broadcast.py, loading/replicated.py): a job opens a checkpoint once,
+not once per rank, and reads the bytes several ranks load once.
+
+Four gloo ranks load one checkpoint the way DDP resumes (every rank the whole state), through
+`asyncckpt.load` and through `load_latest`'s resume; every read of the storage is counted in
+each rank (the local storage's whole-file reads, the reader's positional reads). `.metadata` and
+the checksums sidecar must be read once per job, every item's bytes once (1.0x the checkpoint,
+spread over the ranks), the state must equal what was saved; the same with 2x2 HSDP-like ranks
+(two replicas of two shards). A reading
+rank that dies in the broadcast makes the others raise within the group's timeout."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from asyncckpt import CheckpointError, load
+from asyncckpt.layout import METADATA_FILE
+from conftest import assert_state_equal, saved_step_one
+from multirank import run_ranks
+
+WORLD = 4
+
+
+def replicated_state() -> dict:
+    g = torch.Generator().manual_seed(45)
+    state = {f"layer{n}.weight": torch.randn(64, 96 + n, generator=g) for n in range(6)}
+    state["step"] = 12
+    state["meta"] = {"run": "resume-at-scale"}
+    return state
+
+
+def zeroed(state: dict) -> dict:
+    """A target of the same structure, holding none of the values."""
+    def empty(v):
+        return torch.zeros_like(v) if isinstance(v, torch.Tensor) else zeroed(v) if isinstance(v, dict) else None
+    return {k: empty(v) for k, v in state.items()}
+
+
+class ReadCounter:
+    """Every read this process makes of the checkpoint's files, by kind (patched in a rank)."""
+
+    def __init__(self) -> None:
+        from asyncckpt.loading.byte_sources import LocalFiles
+        from asyncckpt.storage.local import LocalStorage
+
+        self.counts = {"metadata": 0, "sidecar": 0, "data_bytes": 0}
+        read_bytes, read, read_into = LocalStorage.read_bytes, LocalFiles.read, LocalFiles.read_into
+        counter = self
+
+        def counted_read_bytes(storage, path, offset=0, length=None):
+            data = read_bytes(storage, path, offset, length)
+            name = os.path.basename(path)
+            if name == METADATA_FILE:
+                counter.counts["metadata"] += 1
+            elif name.startswith(".checksums"):
+                counter.counts["sidecar"] += 1
+            elif name.endswith(".distcp"):  # not `latest`, which every rank reads (a few bytes)
+                counter.counts["data_bytes"] += len(data)
+            return data
+
+        def counted_read(source, path, offset, n):
+            data = read(source, path, offset, n)
+            counter.counts["data_bytes"] += len(data)
+            return data
+
+        def counted_read_into(source, path, offset, buffers, what):
+            counter.counts["data_bytes"] += sum(len(b) for b in buffers)
+            return read_into(source, path, offset, buffers, what)
+
+        LocalStorage.read_bytes, LocalFiles.read, LocalFiles.read_into = counted_read_bytes, counted_read, counted_read_into
+
+    def take(self) -> dict:
+        counts, self.counts = self.counts, {k: 0 for k in self.counts}
+        return counts
+
+
+def _ddp_resume(rank: int, world: int, root: str, path: str, out: str) -> None:
+    from asyncckpt.config import CheckpointConfig
+    from asyncckpt.loading.resume import resume
+    from asyncckpt.save.ranks import RankGroup
+
+    counter = ReadCounter()
+    expected = replicated_state()
+    state = zeroed(expected)
+    load(state, path)
+    assert_state_equal(state, expected)
+    by_load = counter.take()
+    state = zeroed(expected)
+    report = resume(state, root, RankGroup(None, CheckpointConfig()), trusted=False, strict=True, checksums=True)
+    assert report is not None and report.step == 1
+    assert_state_equal(state, expected)
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump({"load": by_load, "load_latest": counter.take()}, f)
+
+
+def stored_bytes(path: str) -> int:
+    """The bytes of every item the checkpoint's .metadata names."""
+    from asyncckpt.loading.opened import open_checkpoint
+
+    return sum(info.length for info in open_checkpoint(path).metadata.storage_data.values())
+
+
+def test_ddp_resume_reads_metadata_once_and_every_byte_once_per_job(tmp_path):
+    root = str(tmp_path / "root")
+    path = saved_step_one(root, replicated_state())
+    out = tmp_path / "counts"
+    out.mkdir()
+    run_ranks(_ddp_resume, WORLD, root, path, str(out))
+    counts = [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    for call in ("load", "load_latest"):
+        assert sum(c[call]["metadata"] for c in counts) == 1, (call, counts)
+        assert sum(c[call]["sidecar"] for c in counts) == 1, (call, counts)
+        assert counts[0][call]["metadata"] == 1  # the group's rank 0 reads; the others read none of it
+        # replicated items: each read by one rank, sent to the others: 1.0x the checkpoint's bytes, not 4x
+        assert sum(c[call]["data_bytes"] for c in counts) == stored_bytes(path), (call, counts)
+        assert all(c[call]["data_bytes"] < stored_bytes(path) * 0.6 for c in counts), (call, counts)  # spread
+
+
+def _reader_dies(rank: int, world: int, path: str, out: str) -> None:
+    import asyncckpt.loading.broadcast as broadcast
+
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=30))
+    if rank == 0:
+        broadcast.broadcast_blobs = lambda *args, **kwargs: os._exit(0)  # dies with .metadata read, before sending it
+    started = time.monotonic()
+    with pytest.raises(CheckpointError, match="broadcast from rank 0 failed"):
+        load(zeroed(replicated_state()), path, process_group=group)
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump({"raised_after_s": time.monotonic() - started}, f)
+    os._exit(0)  # rank 0 is gone: no barrier at the end
+
+
+def test_a_reader_that_dies_in_the_broadcast_fails_the_others_within_the_timeout(tmp_path):
+    path = saved_step_one(str(tmp_path / "root"), replicated_state())
+    out = tmp_path / "raised"
+    out.mkdir()
+    run_ranks(_reader_dies, WORLD, path, str(out), timeout_s=180)
+    raised = [json.loads((out / f"rank{r}.json").read_text())["raised_after_s"] for r in range(1, WORLD)]
+    assert max(raised) < 40, raised  # the group's 30 s at most, not gloo's default 30 min
+    assert not (out / "rank0.json").exists()
+
+
+def test_without_a_process_group_each_process_reads_itself_and_says_so(tmp_path, caplog):
+    expected = replicated_state()
+    path = saved_step_one(str(tmp_path / "root"), expected)
+    state = zeroed(expected)
+    with caplog.at_level(logging.DEBUG, logger="asyncckpt.loading.broadcast"):
+        load(state, path)
+    assert_state_equal(state, expected)
+    assert any("on this rank alone" in r.getMessage() for r in caplog.records)
+
+
+def hsdp_state() -> dict:
+    """Two shards (each held by one rank of each of two replicas) and an object every rank loads."""
+    g = torch.Generator().manual_seed(46)
+    state = {f"shard{s}.layer{n}": torch.randn(48, 80 + n, generator=g) for s in range(2) for n in range(3)}
+    state["step"] = 9
+    return state
+
+
+def _hsdp_load(rank: int, world: int, path: str, out: str) -> None:
+    counter = ReadCounter()
+    shard = rank % 2  # ranks 0, 1: replica 0; ranks 2, 3: replica 1
+    expected = {k: v for k, v in hsdp_state().items() if k.startswith(f"shard{shard}.") or k == "step"}
+    state = zeroed(expected)
+    load(state, path)
+    assert_state_equal(state, expected)
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(counter.take(), f)
+
+
+def test_hsdp_like_resume_reads_every_byte_once_per_job(tmp_path):
+    path = saved_step_one(str(tmp_path / "root"), hsdp_state())
+    out = tmp_path / "counts"
+    out.mkdir()
+    run_ranks(_hsdp_load, WORLD, path, str(out))
+    counts = [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    assert sum(c["data_bytes"] for c in counts) == stored_bytes(path), counts
+    assert sum(c["metadata"] for c in counts) == 1, counts
