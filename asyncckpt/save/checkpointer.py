@@ -311,7 +311,15 @@ class AsyncCheckpointer(InterruptedExit, IntegrationHooks):
             return []
         try:
             return self._preemption.closing(lambda: self.finalize(blocking=True), bool(self._memory))
+        except KeyboardInterrupt:  # Ctrl-C while close() waits: as at an interrupted exit (interrupted.py)
+            self._close_after_ctrl_c()
+            raise
         finally:
+            self._release()
+
+    def _release(self) -> None:
+        """What close() lets go of, once: retention's thread, the worker, the tier's file, the lock."""
+        if not self._closed:
             self._closed = True
             at_exit.forget(self)
             self._preemption.uninstall()

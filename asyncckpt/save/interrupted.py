@@ -10,10 +10,12 @@ a rank that is not coming. A second Ctrl-C during that exit ends the process at 
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Optional
 
 from ..errors import CheckpointError
+from .at_exit import say
 from .commit import RankOutcome
 from .inflight import InFlightSave
 from .rank_worker import RankWorker
@@ -39,6 +41,18 @@ class InterruptedExit:
         except CheckpointError as exc:
             error = exc
         return describe(doing, flight, reason, error)
+
+    def _close_after_ctrl_c(self) -> None:
+        """Ctrl-C while close() waited: as at an interrupted exit, a save already staged is
+        committed and anything earlier given up, and what happened is said once; a second Ctrl-C
+        gives up at once."""
+        try:
+            note = self.close_interrupted()
+        except KeyboardInterrupt:
+            self.kill_worker()
+            note = "interrupted twice (Ctrl-C) while closing: the save in flight was given up"
+        if note:
+            say(logging.WARNING, f"asyncckpt: {note}")
 
     def kill_worker(self) -> None:
         """A second Ctrl-C: SIGKILL the worker, wait for nothing."""

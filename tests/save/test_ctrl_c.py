@@ -231,3 +231,47 @@ def test_worker_and_its_writers_ignore_sigint(ckpt_root):
 def _status(pid: int, field: str) -> str:
     with open(f"/proc/{pid}/status") as f:
         return next(line.split()[1] for line in f if line.startswith(field + ":"))
+
+
+CLOSING = textwrap.dedent(
+    """
+    import sys, torch
+    from asyncckpt import AsyncCheckpointer
+    root = sys.argv[1]
+    state = {"w": torch.randn(1 << 20)}
+    ckpt = AsyncCheckpointer(root)
+    ckpt.schedule_save(state, step=1)
+    ckpt.finalize(blocking=True)
+    ckpt.schedule_save(state, step=2)  # staged: its writes go on in the worker
+    print(ckpt.worker_pid, flush=True)
+    sys.stdin.readline()  # the test froze the worker: close() now waits for its writes
+    print("closing", flush=True)
+    ckpt.close()
+    print("closed", flush=True)
+    """
+)
+
+
+def test_ctrl_c_inside_close_commits_the_staged_save_and_says_so(tmp_path):
+    """Ctrl-C while an explicit close() waits for a staged save's writes: as at an interrupted
+    exit, the staged save is still committed once its writes end, one line says so, and the
+    KeyboardInterrupt reaches the script (it does not end up 'closed' as if nothing happened)."""
+    root = str(tmp_path / "ckpt")
+    path = tmp_path / "closing.py"
+    path.write_text(CLOSING)
+    script = subprocess.Popen([sys.executable, str(path), root], cwd=REPO, stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    worker = int(script.stdout.readline())
+    os.kill(worker, signal.SIGSTOP)  # its writes wait until the SIGINT landed inside close()
+    script.stdin.write("go\n")
+    script.stdin.flush()
+    assert script.stdout.readline() == "closing\n"
+    time.sleep(1.0)
+    script.send_signal(signal.SIGINT)
+    time.sleep(1.0)
+    os.kill(worker, signal.SIGCONT)
+    out, err = script.communicate(timeout=EXIT_BOUND_S)
+    assert "closed" not in out, err[-3000:]
+    notes = [line for line in err.splitlines() if "interrupted (Ctrl-C)" in line]
+    assert len(notes) == 1 and "step 2 committed" in notes[0], err[-3000:]
+    assert committed(root) == [1, 2] and read_latest_marker(root) == "step_00000002"
