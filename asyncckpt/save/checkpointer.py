@@ -27,7 +27,7 @@ from ..storage import is_remote, storage_for
 from ..storage.requests import COUNTER
 from . import at_exit
 from .commit import CommitMemory, RankOutcome, SaveTarget, finish_save
-from .first_save import copies_allowed, hand_off_if_starting, may_hand_off
+from .first_save import hand_off_if_starting, hands_off
 from .guard import GuardHandles, guard_calls
 from .incremental import Continuation
 from .inflight import InFlightSave
@@ -196,7 +196,7 @@ class AsyncCheckpointer(InterruptedExit, IntegrationHooks):
             memory=self._memory.next_save(planned, step, memory_only) if self._memory is not None else None,
         )
         try:
-            hand_off = wait and copies_allowed(self.config) and may_hand_off(self._worker, cache_slot)
+            hand_off = wait and hands_off(self.config, self._worker, cache_slot, self._memory)
             snapshot = take_snapshot(planned, keep_old_pages=hand_off)  # (the pages moved tensors leave: the copy)
             self._warnings.about(snapshot)
             if hand_off:  # a worker still starting gets a private copy, off this thread
@@ -290,8 +290,8 @@ class AsyncCheckpointer(InterruptedExit, IntegrationHooks):
             return None
         if report.source == "disk":
             self._incremental.resumed(report.path)  # the next save continues from it
-        elif restarted.persist and self.config.memory_persist_restored:  # newer than the disk: staged now,
-            self.schedule_save(state_dict, step=report.step)  # written and committed in the background
+        elif restarted.persist and self.config.memory_persist_restored:  # newer than the disk: persisted in the
+            self._memory.persist_restored(lambda: self.schedule_save(state_dict, step=report.step))  # background
             self._in_flight.persists_restore = True
         skipped = f", {len(report.skipped)} newer damaged checkpoints skipped" if report.skipped else ""
         if report.source == "disk":  # (the memory tier's restore says so itself)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
@@ -32,9 +32,13 @@ from ..config import CheckpointConfig, hand_off_bound_s
 from .inflight import InFlightSave
 from ..protocol import IncrementalBase
 from .rank_worker import RankWorker
-from .sharing import SHARE_THREADS, SHM_HEADROOM_BYTES, available_memory_bytes, shm_bytes, shm_free_bytes
+from .sharing import (SHARE_THREADS, SHM_HEADROOM_BYTES, available_memory_bytes, new_reserved_shared, shm_bytes,
+                      shm_free_bytes)
 from .snapshot import Snapshot
 from .spare_copy import packed as _packed
+
+if TYPE_CHECKING:
+    from .memory_tier import MemoryTier
 
 EXTRA_BOUND_S = 60.0  # beyond the worker's start-up and its bounded answers: moving the copy into shared memory
 
@@ -82,10 +86,23 @@ class HandOff:
 
 def hand_off_if_starting(worker: RankWorker, flight: InFlightSave, snapshot: Snapshot,
                          bases: tuple[IncrementalBase, ...], slot: int) -> Optional[HandOff]:
-    """Hand the save over in the background from a private copy, if `private_snapshot` takes one."""
+    """Hand the save over in the background from a private copy (`hands_off` said so), if
+    `private_snapshot` takes one."""
     copy = private_snapshot(snapshot, worker, slot)
     snapshot.old_pages.clear()  # the copy holds what it needs of them; the others go now
     return None if copy is None else HandOff(worker, flight, copy, snapshot, bases, slot)
+
+
+def hands_off(config: CheckpointConfig, worker: RankWorker, slot: int, memory: Optional["MemoryTier"]) -> bool:
+    """Whether a save in `slot` is handed over from a private copy (if its tensors allow:
+    `private_snapshot`): a first save to a worker still starting (`copies_allowed`, `may_hand_off`),
+    or the persist of the copy load_latest just restored from memory (`MemoryTier.persisting`),
+    whatever the worker's state: the tier's file holds that copy until the persist's own copy is
+    sealed, so nothing needs it staged when the call returns, and load_latest waits for neither
+    the new worker's start-up nor its staging."""
+    if memory is not None and memory.persisting:
+        return config.staging_budget_bytes is None and worker.holds_nothing_in(slot)
+    return copies_allowed(config) and may_hand_off(worker, slot)
 
 
 def copies_allowed(config: CheckpointConfig) -> bool:
@@ -105,13 +122,13 @@ def may_hand_off(worker: RankWorker, slot: int) -> bool:
 
 
 def private_snapshot(snapshot: Snapshot, worker: RankWorker, slot: int) -> Optional[Snapshot]:
-    """A private copy of `snapshot`'s tensors, when `may_hand_off` and a copy is cheap and safe:
+    """A private copy of `snapshot`'s tensors, when `hands_off` and a copy is cheap and safe:
     CPU tensors only, room in /dev/shm for the copy at hand-off, and at least twice what must be
     copied in available memory (asked before copying anything). None otherwise: the save waits for
     the worker instead. A tensor whose storage moved into shared memory for this save is copied for
     nothing: its view of the storage's old pages (`Snapshot.old_pages`), which hold the values of
     the call. The others are copied into one ordinary buffer."""
-    if not may_hand_off(worker, slot) or snapshot.cuda_devices:
+    if not worker.holds_nothing_in(slot) or snapshot.cuda_devices:
         return None
     old = [None if t is None else snapshot.old_pages.get(t.untyped_storage().data_ptr()) for t in snapshot.tensors]
     offsets, total = _packed([t if pages is None else None for t, pages in zip(snapshot.tensors, old)])
@@ -142,12 +159,12 @@ def private_snapshot(snapshot: Snapshot, worker: RankWorker, slot: int) -> Optio
 
 def _shared(copy: Snapshot) -> Snapshot:
     """The copy packed into one shared-memory segment, where the worker can reach it: one
-    descriptor however many tensors. Each tensor of the copy is let go once packed (the memory
+    descriptor however many tensors; its pages reserved first (a full /dev/shm: CheckpointError). Each tensor of the copy is let go once packed (the memory
     it was in goes with the last one in it), so the copy is not held twice."""
     if all(t is None or t.untyped_storage().is_shared() for t in copy.tensors):
         return copy  # copied into the spare (spare_copy.py): the worker maps it as it is
     offsets, total = _packed(copy.tensors)
-    buffer = torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(max(total, 1)))
+    buffer = torch.empty(0, dtype=torch.uint8).set_(new_reserved_shared(max(total, 1)))  # (reserved: no SIGBUS)
     packed, unpacked = [], copy.tensors  # the copy is this thread's alone
     for pos, offset in enumerate(offsets):
         tensor, unpacked[pos] = unpacked[pos], None

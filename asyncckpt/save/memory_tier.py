@@ -16,7 +16,7 @@ import os
 import sys
 import time
 import uuid
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch.distributed as dist
 
@@ -67,6 +67,7 @@ class MemoryTier:
         self.history: Optional[RootHistory] = history
         self.base: Optional[Base] = history.newest if history is not None else None  # what a copy staged now descends from
         self.unpersisted: Optional[int] = None  # the step of a copy in the file that is newer than the disk
+        self.persisting = False  # the save being scheduled persists the copy load_latest restored (first_save.hands_off)
         self._saves = 0
         self._plans: dict[str, bytes] = {}  # by structure key
         remove_stale(directory, keep=memory_file_name(self.key, 0).rsplit("-rank", 1)[0] + "-rank")
@@ -112,6 +113,17 @@ class MemoryTier:
         if attempt.restored is not None and attempt.restored.persist:
             self.unpersisted = attempt.restored.report.step
         return attempt
+
+    def persist_restored(self, schedule: Callable[[], None]) -> None:
+        """Schedule (`schedule`) the save that persists the copy just restored, handed to the worker
+        from a private copy by a thread (first_save.py): the restart waits for no worker start-up
+        nor staging. The file keeps the copy meanwhile (a new worker stages into a new file, renamed
+        over this one once sealed), and `unpersisted` keeps it at a clean close until the commit."""
+        self.persisting = True
+        try:
+            schedule()
+        finally:
+            self.persisting = False
 
     def drop(self) -> None:
         """The copy belongs to another history and the disk load succeeded: it goes."""

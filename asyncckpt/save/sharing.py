@@ -141,6 +141,35 @@ def check_shm_space(needed: int, free: Optional[int] = None, path: str = SHM_DIR
     )
 
 
+def new_reserved_shared(nbytes: int, path: str = SHM_DIR) -> torch.UntypedStorage:
+    """A new shared-memory segment of `nbytes` whose pages are reserved before anything is written
+    (posix_fallocate on its descriptor): torch grows a segment with ftruncate only, so on a full
+    tmpfs the first write would fault with SIGBUS and kill the process; here that is a
+    CheckpointError naming the mount, the bytes needed and free. Where torch's sharing strategy
+    gives no descriptor ("file_system"), the segment is opened by its name under `path`."""
+    try:
+        storage = torch.UntypedStorage._new_shared(nbytes)  # (torch reserves the fd strategy's pages itself)
+        if nbytes == 0:
+            return storage
+        if torch.multiprocessing.get_sharing_strategy() == "file_descriptor":
+            os.posix_fallocate(storage._share_fd_cpu_()[0], 0, nbytes)  # (torch owns the descriptor)
+        else:
+            name = storage._share_filename_cpu_()[1]
+            fd = os.open(os.path.join(path, os.fsdecode(name).lstrip("/")), os.O_RDWR)
+            try:
+                os.posix_fallocate(fd, 0, nbytes)
+            finally:
+                os.close(fd)
+    except (OSError, RuntimeError) as exc:  # torch's own: RuntimeError "unable to allocate shared memory"
+        free = shm_free_bytes(path)
+        raise CheckpointError(
+            f"cannot reserve {nbytes} bytes ({nbytes / 2**20:.1f} MiB) of shared memory in {path} "
+            f"({free if free is not None else 'unknown'} bytes free): {exc}. Nothing was written; "
+            f"enlarge {path} (docker: --shm-size) or save fewer bytes per process"
+        ) from exc
+    return storage
+
+
 SHARE_THREADS = 4
 
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from asyncckpt import AsyncCheckpointer, CheckpointConfig, CheckpointError, verify_checkpoint
+from asyncckpt import AsyncCheckpointer, CheckpointConfig, CheckpointError, load, verify_checkpoint
 from asyncckpt.layout import list_checkpoints, read_latest_marker
 from asyncckpt.memory_file import COMPLETE_AT, FOOTER_BYTES, memory_file_name, read_copy
 from conftest import REPO, assert_state_equal, zeros_like_state
@@ -79,6 +79,33 @@ def test_a_memory_only_save_is_restored_then_persisted_in_the_background(tmp_pat
     step, report, target = resume(root, shm, memory_tier=False)
     assert (step, report.source) == (2, "disk")
     assert_state_equal(target, state_at(2))
+
+
+def test_the_persist_of_a_restored_copy_waits_for_no_worker(tmp_path):
+    """load_latest returns right after the restore: the persist goes to the new worker from a private
+    copy on a thread (its start-up and staging are not the restart's), and the tier's file keeps
+    the copy until the persist's own copy is sealed."""
+    root, shm = str(tmp_path / "ckpt"), tmp_path / "shm"
+    shm.mkdir()
+    save_then_keep(root, shm, [1], 2)
+    target = zeros_like_state(state_at(0))
+    with AsyncCheckpointer(root, config(shm)) as ckpt:
+        assert ckpt.load_latest(target) == 2
+        assert not ckpt.worker_ready  # returned before the worker had started up and staged the persist
+        assert read_copy(str(shm / memory_file_name(root, 0))).step == 2  # the copy is kept meanwhile
+        target["w"]["a"].add_(1)
+        target["w"]["n"].mul_(0)  # training goes on: the persist holds the restored values
+        reports = ckpt.finalize(blocking=True)
+        assert [(r.step, r.persisted_restore) for r in reports] == [(2, True)]
+        assert ckpt.resume_report.persisted
+        ckpt.schedule_save(target, step=3)  # the trainer's own tensors, which the worker took after the persist
+        ckpt.finalize(blocking=True)
+    step, report, loaded = resume(root, shm, memory_tier=False)
+    assert (step, report.source) == (3, "disk")
+    assert_state_equal(loaded, target)
+    loaded = zeros_like_state(state_at(0))
+    load(loaded, os.path.join(root, "step_00000002"))
+    assert_state_equal(loaded, state_at(2))
 
 
 def test_a_restored_copy_not_persisted_on_request_stays_in_memory(tmp_path):
