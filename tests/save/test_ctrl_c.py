@@ -170,7 +170,8 @@ LOADS = textwrap.dedent(
 )
 
 
-STUCK_WRITES = textwrap.dedent(
+# step 1 committed, step 2 staged (its writes go on in the worker); prints the worker's pid
+STEP_2_STAGED = textwrap.dedent(
     """
     import sys, torch
     from asyncckpt import AsyncCheckpointer
@@ -179,12 +180,11 @@ STUCK_WRITES = textwrap.dedent(
     ckpt = AsyncCheckpointer(root)
     ckpt.schedule_save(state, step=1)
     ckpt.finalize(blocking=True)
-    ckpt.schedule_save(state, step=2)  # staged: its writes go on in the worker
+    ckpt.schedule_save(state, step=2)
     print(ckpt.worker_pid, flush=True)
-    import time
-    time.sleep(600)
     """
 )
+STUCK_WRITES = STEP_2_STAGED + "import time\ntime.sleep(600)\n"
 
 
 def test_a_second_ctrl_c_ends_at_once_and_the_last_committed_checkpoint_is_intact(tmp_path):
@@ -233,17 +233,8 @@ def _status(pid: int, field: str) -> str:
         return next(line.split()[1] for line in f if line.startswith(field + ":"))
 
 
-CLOSING = textwrap.dedent(
+CLOSING = STEP_2_STAGED + textwrap.dedent(
     """
-    import sys, torch
-    from asyncckpt import AsyncCheckpointer
-    root = sys.argv[1]
-    state = {"w": torch.randn(1 << 20)}
-    ckpt = AsyncCheckpointer(root)
-    ckpt.schedule_save(state, step=1)
-    ckpt.finalize(blocking=True)
-    ckpt.schedule_save(state, step=2)  # staged: its writes go on in the worker
-    print(ckpt.worker_pid, flush=True)
     sys.stdin.readline()  # the test froze the worker: close() now waits for its writes
     print("closing", flush=True)
     ckpt.close()
