@@ -128,7 +128,7 @@ def private_snapshot(snapshot: Snapshot, worker: RankWorker, slot: int) -> Optio
     the worker instead. A tensor whose storage moved into shared memory for this save is copied for
     nothing: its view of the storage's old pages (`Snapshot.old_pages`), which hold the values of
     the call. The others are copied into one ordinary buffer."""
-    if not worker.holds_nothing_in(slot) or snapshot.cuda_devices:
+    if snapshot.cuda_devices:  # (whether to hand off at all, `hands_off` decided before the snapshot)
         return None
     old = [None if t is None else snapshot.old_pages.get(t.untyped_storage().data_ptr()) for t in snapshot.tensors]
     offsets, total = _packed([t if pages is None else None for t, pages in zip(snapshot.tensors, old)])
