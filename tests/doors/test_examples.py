@@ -91,21 +91,16 @@ def test_example_resumes_from_the_last_committed_save_with_its_optimizer_state(r
     assert "summary: nothing to do (already at step 45)" in again.stdout
 
 
-def test_example_fails_its_resume_check_when_the_optimizer_state_is_not_restored(tmp_path) -> None:
+def test_example_with_a_bare_optimizer_still_resumes_its_optimizer_state(tmp_path) -> None:
+    """A bare `optimizer.state_dict()` (no TrainState) used to come back without Adam's moments;
+    loading now fills a fresh optimizer's state from the checkpoint (#42 item 4): the example's
+    own resume check passes."""
     root = str(tmp_path / "ckpt")
     fresh = run("--root", root, *FRESH, patch=WITH_BARE_OPTIMIZER)
     assert fresh.returncode == 0, fresh.stdout + fresh.stderr
-    assert committed_steps(fresh.stdout) == [0, 10, 20, 29]  # the optimizer state is saved...
-
-    resumed = run("--root", root, *RESUME, patch=WITH_BARE_OPTIMIZER)  # ...but not loaded
-    assert resumed.returncode != 0, resumed.stdout + resumed.stderr
-    assert "resumed from" not in resumed.stdout
-    failure = resumed.stderr.strip().splitlines()[-1]
-    assert failure.startswith("resume check failed at step 29"), resumed.stderr
-    # the 18 optimizer tensors are missing; the 6 weights (listed first if wrong) were restored
-    assert "18 of 24 saved tensors differ" in failure, failure
-    assert "exp_avg" in failure and "model." not in failure, failure
-    assert committed_steps(resumed.stdout) == []  # it stopped before training on
+    resumed = run("--root", root, *RESUME, patch=WITH_BARE_OPTIMIZER)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert "weights and optimizer state match the save" in resumed.stdout, resumed.stdout
 
 
 def test_the_example_checkpoint_exports_its_model_without_naming_a_prefix(fresh_root, tmp_path, capsys) -> None:

@@ -81,6 +81,6 @@ def test_many_saves_leak_no_memory_fds_threads_or_processes(tmp_path, io, saves)
     names = sorted(os.listdir(root))
     assert names == ["latest", f"step_{saves - 1:08d}", f"step_{saves:08d}"], names
     target = {"weights": {k: torch.zeros_like(v) for k, v in expected.items()}, "meta": {}}
-    load(target, step_path(root, saves))
+    load(target, step_path(root, saves), strict=False)  # the target holds the tensors only, on purpose
     for key, tensor in expected.items():
         assert torch.equal(target["weights"][key], tensor), key
