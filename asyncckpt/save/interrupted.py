@@ -15,6 +15,8 @@ import time
 from typing import Optional
 
 from ..errors import CheckpointError
+from ..layout import METADATA_FILE
+from ..storage import storage_for
 from .at_exit import say
 from .commit import RankOutcome
 from .inflight import InFlightSave
@@ -40,7 +42,7 @@ class InterruptedExit:
             self.close()
         except CheckpointError as exc:
             error = exc
-        return describe(doing, flight, reason, error)
+        return describe(doing, flight, reason, error, flight is not None and committed_on_disk(flight))
 
     def _close_after_ctrl_c(self) -> None:
         """Ctrl-C while close() waited: as at an interrupted exit, a save already staged is
@@ -101,13 +103,30 @@ def _wait_for(hand_off, worker: RankWorker, killed: bool) -> None:
         time.sleep(POLL_S)
 
 
-def describe(doing: Optional[str], flight: Optional[InFlightSave], reason: Optional[str], error: Optional[Exception]) -> str:
+def committed_on_disk(flight: InFlightSave) -> bool:
+    """Whether the save's `.metadata` is in place after close(): the note says what the disk
+    holds, whatever point of the commit the Ctrl-C cut short (a save that replaces a committed
+    checkpoint of its step, or a memory-only one, cannot be told this way: False)."""
+    if flight.replaces or (flight.memory is not None and flight.memory.memory_only):
+        return False
+    try:
+        storage = storage_for(flight.step_dir)
+        return storage.exists(storage.join(flight.step_dir, METADATA_FILE))
+    except Exception:  # (an unreachable store: the bookkeeping's word stands)
+        return False
+
+
+def describe(doing: Optional[str], flight: Optional[InFlightSave], reason: Optional[str], error: Optional[Exception],
+             on_disk: bool = False) -> str:
     """What happened, for the user: 'interrupted while step 1 was being handed over; step 0
-    committed' (or 'not committed: why'); nothing when no save was in flight."""
+    committed' (or 'not committed: why'); nothing when no save was in flight. `on_disk`: the
+    save's commit is on disk (it is then called committed, whatever the bookkeeping says)."""
     if flight is None:
         return "" if error is None else f"interrupted (Ctrl-C); closing failed: {error}"
     where = f"while {doing} was being handed over" if doing else f"while {flight.label} was in flight"
-    if reason is not None and error is None:  # several ranks: not even tried
+    if on_disk:
+        outcome = f"{flight.label} committed ({flight.step_dir})" + (f"; closing then failed: {error}" if error else "")
+    elif reason is not None and error is None:  # several ranks: not even tried
         outcome = f"{flight.label} not committed: {reason}"
     elif error is not None:
         outcome = str(error)

@@ -86,11 +86,11 @@ def test_sigterm_at_random_moments_commits_the_newest_staged_step(seed_root, tmp
         assert f"step {staged} committed" in run["err"] or "checkpoint is unchanged" in run["err"], said
 
 
-@pytest.mark.xfail(reason="latest named step 2, not 0, in the merged run under load; unresolved, see the "
-                   "2026-11-27 session note", strict=False)
 def test_a_grace_cut_short_leaves_the_last_committed_checkpoint(seed_root, tmp_path):
     """The worker is stopped (SIGSTOP) mid-save: close() gives the save up when grace_s runs
-    out, says so, and the process still exits 143 with step 0 the committed checkpoint."""
+    out, says so, and the process still exits 143 with a committed checkpoint `latest`: the one
+    committed before the stop, or a newer one whose writes had ended before it (the trainer
+    commits a save the worker has finished, which may land after the stop)."""
     import psutil
 
     root = str(tmp_path / "root")
@@ -106,19 +106,18 @@ def test_a_grace_cut_short_leaves_the_last_committed_checkpoint(seed_root, tmp_p
     assert worker is not None
     for proc in [worker, *worker.children(recursive=True)]:
         proc.suspend()
-    committed_before = read_latest_marker(root)
+    committed_before = int(read_latest_marker(root)[5:])
     started = time.monotonic()
     process.send_signal(signal.SIGTERM)
     out, err = process.communicate(timeout=EXIT_BOUND_S)
     assert process.returncode == PREEMPTED_EXIT_CODE, err
     assert time.monotonic() - started < 30, "the grace did not bound close()"
     assert "last committed checkpoint is intact" in err, err
-    latest = read_latest_marker(root)
-    assert latest == committed_before
-    step = int(latest[5:])
+    step = int(read_latest_marker(root)[5:])  # (the loop may never see `preempted`: stuck in a save's wait)
+    assert step >= committed_before, (committed_before, step, err)
     state = child_state(-1.0)
-    load(state, os.path.join(root, latest), no_dist=True)
-    assert state["step"] == step
+    load(state, os.path.join(root, f"step_{step:08d}"), no_dist=True)
+    assert state["step"] == step and all(bool((t == step).all()) for t in state["w"].values())
 
 
 def test_without_preemption_signals_nothing_changes(tmp_path):
