@@ -74,6 +74,7 @@ class Decision:
 class MemoryRestore:
     report: ResumeReport
     persist: bool
+    token: str = ""  # the save the copy holds (its persist maps the file: save/mapped_copy.py)
 
 
 @dataclass(frozen=True)
@@ -112,7 +113,8 @@ def restore(
     what = "memory only" if seen[0].memory_only else ("not committed" if decision.persist else "committed too")
     log.info("resumed from memory: step %d (save %s, %s) in %.2fs", step, seen[0].token[:8], what,
              time.perf_counter() - started)
-    return MemoryAttempt(MemoryRestore(ResumeReport(step, copies[group.rank].path, source="memory"), decision.persist),
+    return MemoryAttempt(MemoryRestore(ResumeReport(step, copies[group.rank].path, source="memory"), decision.persist,
+                                       seen[0].token),
                          newest=decision.newest)
 
 

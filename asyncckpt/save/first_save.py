@@ -48,8 +48,10 @@ class HandOff:
     answers to it (staged, written, the trainer's tensors taken) into `flight.outcome`. The
     trainer touches the worker again only once `finished` says the thread is done."""
 
-    def __init__(self, worker: RankWorker, flight: InFlightSave, copy: Snapshot, own: Snapshot,
+    def __init__(self, worker: RankWorker, flight: InFlightSave, copy: Snapshot, own: Optional[Snapshot],
                  bases: tuple[IncrementalBase, ...], slot: int) -> None:
+        """`own`: the trainer's tensors, handed to the worker to keep after the save (None: not
+        now; the persist of a restored copy: mapped_copy.py)."""
         self.worker, self.flight = worker, flight
         config = worker.config  # the sum of its waits: start-up and staging, the writes, Prepared, packing
         self.bound_s = hand_off_bound_s(config) + 2 * config.timeout_s + EXTRA_BOUND_S
@@ -69,12 +71,13 @@ class HandOff:
             return True
         return self._done.is_set()
 
-    def _run(self, own: Snapshot, bases: tuple[IncrementalBase, ...], slot: int) -> None:
+    def _run(self, own: Optional[Snapshot], bases: tuple[IncrementalBase, ...], slot: int) -> None:
         try:
             copy, self._copy = _shared(self._copy), None
             self.worker.ensure_alive()  # a worker that died meanwhile is replaced here, off the trainer's path
             self.worker.send(self.flight, copy, bases, slot)
-            self.worker.prepare(own, slot, spare=False)  # taken after the copy's save: the copy is let go then
+            if own is not None:
+                self.worker.prepare(own, slot, spare=False)  # taken after the copy's save: the copy is let go then
             outcome = self.worker.outcome(self.flight, blocking=True)  # bounded; never raises
             self.worker.settle_preparation()  # the save is over once the worker holds the trainer's tensors
             self.flight.outcome = outcome
@@ -161,15 +164,16 @@ def _shared(copy: Snapshot) -> Snapshot:
     """The copy packed into one shared-memory segment, where the worker can reach it: one
     descriptor however many tensors; its pages reserved first (a full /dev/shm: CheckpointError). Each tensor of the copy is let go once packed (the memory
     it was in goes with the last one in it), so the copy is not held twice."""
-    if all(t is None or t.untyped_storage().is_shared() for t in copy.tensors):
+    if not copy.mapped_from and all(t is None or t.untyped_storage().is_shared() for t in copy.tensors):
         return copy  # copied into the spare (spare_copy.py): the worker maps it as it is
+    # (a mapped file's views count as shared, but torch cannot hand them over by descriptor)
     offsets, total = _packed(copy.tensors)
     buffer = torch.empty(0, dtype=torch.uint8).set_(new_reserved_shared(max(total, 1)))  # (reserved: no SIGBUS)
     packed, unpacked = [], copy.tensors  # the copy is this thread's alone
     for pos, offset in enumerate(offsets):
         tensor, unpacked[pos] = unpacked[pos], None
         packed.append(None if tensor is None else _view(buffer, offset, tensor).copy_(tensor))
-    return dataclasses.replace(copy, tensors=packed)
+    return dataclasses.replace(copy, tensors=packed, mapped_from="")
 
 
 def _view(buffer: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tensor:

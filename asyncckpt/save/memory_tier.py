@@ -24,13 +24,15 @@ from ..config import CheckpointConfig
 from ..errors import CheckpointError
 from ..loading.history import Base, RootHistory, root_history
 from ..loading.memory_plan import encode_plan
-from ..loading.memory_tier import MemoryAttempt, restore, restore_saved
+from ..loading.memory_tier import MemoryAttempt, MemoryRestore, restore, restore_saved
 from ..loading.opened import OpenCheckpoint
 from ..memory_file import PREFIX, SUFFIX, NotACopy, memory_file_name, owner_alive, read_copy, root_key
 from ..protocol import CACHE_SLOTS, MemorySave, MemoryTier as MemoryTierSettings
 from .inflight import InFlightSave
 from .memory_dir import warn_unless_memory
+from .mapped_copy import mapped_snapshot
 from .planning import PlannedSave
+from .snapshot import Snapshot
 from .ranks import RankGroup
 
 log = logging.getLogger("asyncckpt")
@@ -68,6 +70,7 @@ class MemoryTier:
         self.base: Optional[Base] = history.newest if history is not None else None  # what a copy staged now descends from
         self.unpersisted: Optional[int] = None  # the step of a copy in the file that is newer than the disk
         self.persisting = False  # the save being scheduled persists the copy load_latest restored (first_save.hands_off)
+        self._restored: Optional[MemoryRestore] = None  # that copy, while it is being persisted
         self._saves = 0
         self._plans: dict[str, bytes] = {}  # by structure key
         remove_stale(directory, keep=memory_file_name(self.key, 0).rsplit("-rank", 1)[0] + "-rank")
@@ -112,18 +115,28 @@ class MemoryTier:
             self.base = attempt.newest
         if attempt.restored is not None and attempt.restored.persist:
             self.unpersisted = attempt.restored.report.step
+            self._restored = attempt.restored
         return attempt
+
+    def restored_snapshot(self, planned: PlannedSave) -> Optional[Snapshot]:
+        """The persist's snapshot: views of the restored copy in this rank's file (mapped_copy.py),
+        or None (then the trainer's tensors are snapshotted)."""
+        restored, self._restored = self._restored, None
+        if not self.persisting or restored is None:
+            return None
+        return mapped_snapshot(planned, self.path, restored.token)
 
     def persist_restored(self, schedule: Callable[[], None]) -> None:
         """Schedule (`schedule`) the save that persists the copy just restored, handed to the worker
-        from a private copy by a thread (first_save.py): the restart waits for no worker start-up
-        nor staging. The file keeps the copy meanwhile (a new worker stages into a new file, renamed
-        over this one once sealed), and `unpersisted` keeps it at a clean close until the commit."""
+        by a thread (first_save.py) from views of this rank's file (mapped_copy.py): the restart
+        waits for no worker start-up nor staging, and copies nothing. The file keeps the copy
+        meanwhile (a new worker stages into a new file, renamed over this one once sealed), and
+        `unpersisted` keeps it at a clean close until the commit."""
         self.persisting = True
         try:
             schedule()
         finally:
-            self.persisting = False
+            self.persisting, self._restored = False, None
 
     def drop(self) -> None:
         """The copy belongs to another history and the disk load succeeded: it goes."""

@@ -37,6 +37,7 @@ class Snapshot:
     objects: dict[int, bytes]
     cuda_devices: tuple[int, ...]  # the CUDA devices its tensors are on (each one's work must finish first)
     old_pages: dict[int, torch.UntypedStorage] = field(default_factory=dict)  # keep_old_pages: see take_snapshot
+    mapped_from: str = ""  # its tensors are views of this file, mapped (mapped_copy.py): packed for the worker
 
 
 def take_snapshot(planned: PlannedSave, keep_old_pages: bool = False) -> Snapshot:
@@ -59,7 +60,7 @@ def take_snapshot(planned: PlannedSave, keep_old_pages: bool = False) -> Snapsho
     old_pages = move_into_shared_memory(resolved.values(), keep_old_pages)
     for pos, item in enumerate(planned.plan.items):
         if not is_tensor_item(item):
-            objects[pos] = _pickled_object(planned, item)
+            objects[pos] = pickled_object(planned, item)
             items.append(ItemSpec(ItemIndex.of(item.index), BYTES))
             tensors.append(None)
             fingerprints.append(None)
@@ -84,7 +85,7 @@ def take_snapshot(planned: PlannedSave, keep_old_pages: bool = False) -> Snapsho
     )
 
 
-def _pickled_object(planned: PlannedSave, item) -> bytes:
+def pickled_object(planned: PlannedSave, item) -> bytes:
     try:
         return planned.planner.resolve_data(item).getvalue()
     except Exception as exc:

@@ -20,6 +20,10 @@ from asyncckpt.layout import list_checkpoints, read_latest_marker
 from asyncckpt.memory_file import COMPLETE_AT, FOOTER_BYTES, memory_file_name, read_copy
 from conftest import REPO, assert_state_equal, zeros_like_state
 from multirank import run_ranks
+from test_planning import plan_for
+
+from asyncckpt.save.mapped_copy import mapped_snapshot
+from asyncckpt.save.planning import Planning
 
 
 def state_at(step: int) -> dict:
@@ -106,6 +110,36 @@ def test_the_persist_of_a_restored_copy_waits_for_no_worker(tmp_path):
     loaded = zeros_like_state(state_at(0))
     load(loaded, os.path.join(root, "step_00000002"))
     assert_state_equal(loaded, state_at(2))
+
+
+def test_the_persist_is_taken_from_the_tier_file_and_leaves_the_trainers_tensors_alone(tmp_path):
+    """load_latest copies nothing for the persist: its snapshot is views of the tier's file
+    (save/mapped_copy.py), equal to the restored values, and the trainer's tensors stay where
+    they are (not moved into shared memory: that is the job's first save's work). A file that
+    no longer holds that save, or a plan it cannot serve, gives None (the trainer's tensors are
+    snapshotted instead)."""
+    root, shm = str(tmp_path / "ckpt"), tmp_path / "shm"
+    shm.mkdir()
+    save_then_keep(root, shm, [1], 2)
+    path = str(shm / memory_file_name(root, 0))
+    target = zeros_like_state(state_at(0))
+    with AsyncCheckpointer(root, config(shm)) as ckpt:
+        assert ckpt.load_latest(target) == 2
+        assert not any(t.untyped_storage().is_shared() for t in target["w"].values())
+        ckpt.finalize(blocking=True)
+    save_then_keep(root, shm, [3], 4)
+    copy = read_copy(path)
+    planned = plan_for(Planning(), state_at(4))
+    snapshot = mapped_snapshot(planned, path, copy.token)
+    assert snapshot is not None and snapshot.mapped_from == path
+    values = {spec.index.fqn: t for spec, t in zip(snapshot.items, snapshot.tensors) if t is not None}
+    assert set(values) == {"w.a", "w.b", "w.n", "w.flags", "w.empty"}
+    for name, tensor in state_at(4)["w"].items():
+        assert torch.equal(values[f"w.{name}"], tensor), name
+    assert mapped_snapshot(planned, path, "another save") is None
+    other = state_at(4)
+    other["w"]["a"] = other["w"]["a"].float()  # the trainer's dtype differs from the copy's: not served from it
+    assert mapped_snapshot(plan_for(Planning(), other), path, copy.token) is None
 
 
 def test_a_restored_copy_not_persisted_on_request_stays_in_memory(tmp_path):
