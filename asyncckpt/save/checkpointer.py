@@ -224,11 +224,16 @@ class AsyncCheckpointer(InterruptedExit, IntegrationHooks):
         later one does. Call it where nothing changes the state (e.g. before the training loop): it
         plans the save (a collective with several ranks: every rank calls it at the same point), moves
         CPU tensors into shared memory in place (~0.3 s/GiB, once) and hands them to the worker, which
-        readies its slab in the background. Optional: else the first save does this (first_save.py)."""
+        readies its slab in the background. Optional: else the first save does this (first_save.py).
+        While a save is being handed over by a thread (the persist of a copy load_latest restored
+        from memory), that thread owns the worker: the tensors are moved now, the save is not
+        waited for, and the next save hands them over."""
         self._check_open()
         if not isinstance(state_dict, dict):
             raise TypeError(f"state_dict must be a dict, not {type(state_dict).__name__}")
-        if self._in_flight is not None:
+        flight = self._in_flight
+        handing_off = flight is not None and flight.hand_off is not None and not flight.hand_off.finished(wait=False)
+        if flight is not None and not handing_off:
             self._finish_in_flight(blocking=True)
         local, problem = None, None
         try:
@@ -246,8 +251,9 @@ class AsyncCheckpointer(InterruptedExit, IntegrationHooks):
         planned = self._planning.build(local, self._group) if changed else self._planning.reuse(local)
         snapshot = take_snapshot(planned)
         self._warnings.about(snapshot)
-        self._worker.ensure_alive()
-        self._worker.prepare(snapshot)
+        if not handing_off:
+            self._worker.ensure_alive()
+            self._worker.prepare(snapshot)
 
     def wait_staged(self) -> None:
         """Block until the in-flight save's snapshot is copied (bounded by timeout_s)."""

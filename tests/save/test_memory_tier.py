@@ -142,6 +142,29 @@ def test_the_persist_is_taken_from_the_tier_file_and_leaves_the_trainers_tensors
     assert mapped_snapshot(plan_for(Planning(), other), path, copy.token) is None
 
 
+def test_prepare_after_a_restore_does_not_wait_for_the_persist(tmp_path):
+    """The README's order with the tier: load_latest, prepare, train. prepare moves the trainer's
+    tensors and returns without waiting for the persist's writes (its hand-off thread owns the
+    worker); the first save then takes them, and both steps are on disk as they were saved."""
+    root, shm = str(tmp_path / "ckpt"), tmp_path / "shm"
+    shm.mkdir()
+    save_then_keep(root, shm, [1], 2)
+    target = zeros_like_state(state_at(0))
+    with AsyncCheckpointer(root, config(shm)) as ckpt:
+        assert ckpt.load_latest(target) == 2
+        ckpt.prepare(target)
+        assert ckpt.resume_report.persisted is False  # not waited for (nor committed) by prepare
+        assert all(t.untyped_storage().is_shared() for t in target["w"].values() if t.numel())
+        target["w"]["a"].add_(1)
+        ckpt.schedule_save(target, step=3)  # waits for the persist, as a save waits for the one before
+        ckpt.finalize(blocking=True)
+        assert ckpt.resume_report.persisted
+    for step, expected in [(2, state_at(2)), (3, target)]:
+        loaded = zeros_like_state(state_at(0))
+        load(loaded, os.path.join(root, f"step_{step:08d}"))
+        assert_state_equal(loaded, expected)
+
+
 def test_a_restored_copy_not_persisted_on_request_stays_in_memory(tmp_path):
     root, shm = str(tmp_path / "ckpt"), tmp_path / "shm"
     shm.mkdir()
