@@ -47,7 +47,7 @@ torch-venv: $(TORCH_VENV)/.installed
 	then $(TORCH_PIP_ENV) .venv-torch-$*/bin/python -m pip install --quiet --index-url $(TORCH_INDEX) torch==$*; \
 	else echo "$(TORCH_INDEX) does not answer: torch $* from the default index"; \
 		$(TORCH_PIP_ENV) .venv-torch-$*/bin/python -m pip install --quiet torch==$*; fi
-	$(TORCH_PIP_ENV) .venv-torch-$*/bin/python -m pip install --quiet -e ".[test,msc]"
+	$(TORCH_PIP_ENV) .venv-torch-$*/bin/python -m pip install --quiet -e ".[test,bench,msc]"
 	$(TORCH_PIP_ENV) .venv-torch-$*/bin/python -m pip install --quiet --no-deps torchtitan==0.3.0
 	.venv-torch-$*/bin/python -c 'import torch; assert torch.__version__.split("+")[0] == "$*", torch.__version__'
 	touch $@

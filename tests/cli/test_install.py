@@ -30,8 +30,10 @@ DEPENDENCIES = ("torch", "psutil", "safetensors", "numpy", "google_crc32c", "xxh
 
 
 def pip(*args: str, cwd: str) -> subprocess.CompletedProcess:
+    """pip as a user's: a machine-wide constraint file (this box caps torch at 2.14.1 in
+    /etc/xdg/pip) would make pip replace a newer torch the environment has, which no user sees."""
     done = subprocess.run([sys.executable, "-m", "pip", "--disable-pip-version-check", *args], cwd=cwd,
-                          capture_output=True, text=True, timeout=240, env=clean_env())
+                          capture_output=True, text=True, timeout=240, env={**clean_env(), "PIP_CONSTRAINT": os.devnull})
     assert done.returncode == 0, done.stdout + done.stderr
     return done
 
