@@ -91,7 +91,7 @@ def hand_off_if_starting(worker: RankWorker, flight: InFlightSave, snapshot: Sna
                          bases: tuple[IncrementalBase, ...], slot: int) -> Optional[HandOff]:
     """Hand the save over in the background from a private copy (`hands_off` said so), if
     `private_snapshot` takes one."""
-    copy = private_snapshot(snapshot, worker, slot)
+    copy = private_snapshot(snapshot, worker)
     snapshot.old_pages.clear()  # the copy holds what it needs of them; the others go now
     return None if copy is None else HandOff(worker, flight, copy, snapshot, bases, slot)
 
@@ -124,7 +124,7 @@ def may_hand_off(worker: RankWorker, slot: int) -> bool:
     return (not worker.ready and worker.holds_nothing_in(slot)) or worker.preparing
 
 
-def private_snapshot(snapshot: Snapshot, worker: RankWorker, slot: int) -> Optional[Snapshot]:
+def private_snapshot(snapshot: Snapshot, worker: RankWorker) -> Optional[Snapshot]:
     """A private copy of `snapshot`'s tensors, when `hands_off` and a copy is cheap and safe:
     CPU tensors only, room in /dev/shm for the copy at hand-off, and at least twice what must be
     copied in available memory (asked before copying anything). None otherwise: the save waits for

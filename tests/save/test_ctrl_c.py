@@ -17,7 +17,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import psutil
-import pytest
 import torch
 
 from asyncckpt import AsyncCheckpointer, CheckpointConfig
