@@ -26,7 +26,7 @@ install: venv
 # torch), so a second one keeps both cores busy. TEST_PROCESSES=0 runs the suite in one process.
 TEST_PROCESSES ?= 2
 test: venv
-	$(PY) -m pytest -q -ra -n $(TEST_PROCESSES) $(PYTEST_ARGS)
+	$(PY) -m pytest -q -ra --durations=15 -n $(TEST_PROCESSES) $(PYTEST_ARGS)
 
 # The suite against another torch, in a venv of its own (.venv-torch-X, beside .venv, which keeps its
 # pinned torch): `make test-torch TORCH=2.15.0`. Torch comes from TORCH_INDEX (PyTorch's CPU wheels)
