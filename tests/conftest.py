@@ -329,17 +329,20 @@ class MemorySampler:
         self._record()
 
 
-def call_when_waiting(thread_id: int, function: str, action, timeout_s: float = 120.0) -> threading.Thread:
+def call_when_waiting(thread_id: int, function: str, action, timeout_s: float = 120.0,
+                      stop: threading.Event | None = None) -> threading.Thread:
     """From a helper thread, run `action()` once thread `thread_id` is inside a call of `function`
     (e.g. blocked in `wait_staged`): an event the test can wait for instead of a guessed delay.
-    Returns the started helper thread; join it."""
+    Returns the started helper thread (its `saw`: whether it found the call); join it. `stop`
+    set: act at once (the caller is past the point where it could have waited)."""
 
     def watch() -> None:
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and not (stop is not None and stop.is_set()):
             frame = sys._current_frames().get(thread_id)
             while frame is not None:
                 if frame.f_code.co_name == function:
+                    helper.saw = True
                     action()
                     return
                 frame = frame.f_back
@@ -347,6 +350,7 @@ def call_when_waiting(thread_id: int, function: str, action, timeout_s: float = 
         action()  # never seen waiting: act anyway so nothing hangs; the test's checks fail it
 
     helper = threading.Thread(target=watch, daemon=True)
+    helper.saw = False
     helper.start()
     return helper
 

@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from .sharing import SHM_HEADROOM_BYTES, populate_for_writing, shm_bytes, shm_free_bytes
+from .sharing import SHM_HEADROOM_BYTES, populate_for_writing, shared_segment, shm_bytes, shm_free_bytes
 from .snapshot import Snapshot
 
 ALIGN = 64  # bytes: where each tensor's copy starts in the copy's one buffer
@@ -62,7 +62,7 @@ class SpareCopy:
 
     def _ready(self) -> None:
         try:
-            buffer = torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(self.nbytes))
+            buffer = torch.empty(0, dtype=torch.uint8).set_(shared_segment(self.nbytes))
             _fault_in(buffer)  # every page faulted in now, not in the save
         except Exception:  # e.g. /dev/shm filled meanwhile: the save copies into fresh memory
             return

@@ -28,15 +28,21 @@ class paused_worker:
 
     def __init__(self, pid: int, until_waited: bool = False) -> None:
         self.pid, self.until_waited, self.helper = pid, until_waited, None
+        self.done = threading.Event()
 
     def __enter__(self):
         os.kill(self.pid, signal.SIGSTOP)
         if self.until_waited:
             resume = lambda: os.kill(self.pid, signal.SIGCONT)
-            self.helper = call_when_waiting(threading.get_ident(), "wait_staged", resume)
+            self.helper = call_when_waiting(threading.get_ident(), "wait_staged", resume, stop=self.done)
         return self
 
+    @property
+    def waited(self) -> bool:  # the block reached wait_staged while the worker was stopped
+        return self.helper is not None and self.helper.saw
+
     def __exit__(self, *exc):
+        self.done.set()  # (a block that never waited ends here, not at the helper's timeout)
         if self.helper is not None:
             self.helper.join()
         os.kill(self.pid, signal.SIGCONT)
@@ -108,12 +114,14 @@ def test_a_guarded_module_keeps_batchnorm_statistics_of_the_scheduled_step(ckpt_
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     with AsyncCheckpointer(ckpt_root, CheckpointConfig(staging="lazy")) as ckpt:
         handles = ckpt.guard(model, optimizer)
+        ckpt.schedule_save({"model": model.state_dict()}, step=0)  # the worker is up and holds the model:
+        ckpt.finalize(blocking=True)  # the next save is staged lazily (a first save would be a private copy)
         model(torch.randn(4, 8))
         expected = clone_state(model.state_dict())
-        ckpt.finalize(blocking=True)
-        with paused_worker(ckpt.worker_pid, until_waited=True):
+        with paused_worker(ckpt.worker_pid, until_waited=True) as paused:
             ckpt.schedule_save({"model": model.state_dict()}, step=1)
             model(torch.randn(4, 8))  # updates running_mean / running_var / num_batches_tracked
+        assert paused.waited  # the forward waited for the worker's copy
         ckpt.finalize(blocking=True)
         handles.remove()
     assert not torch.equal(model.state_dict()["1.running_mean"], expected["1.running_mean"])
