@@ -34,7 +34,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from savebench.state import build_state, state_tensors  # noqa: E402
-from bench_load import check_equal, drop_cache, empty_like_state, restart_rows  # noqa: E402
+from loadbench.measure import check_equal, drop_cache, empty_like_state, restart_rows  # noqa: E402
 
 from asyncckpt import AsyncCheckpointer, CheckpointConfig  # noqa: E402
 from asyncckpt.formats import crc32c  # noqa: E402

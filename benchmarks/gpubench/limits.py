@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
-from bench_load import drop_cache
+from loadbench.measure import drop_cache
 from savebench.common import MiB
 from savebench.measure import tensor_bytes_view
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
-from bench_load import drop_cache
+from loadbench.measure import drop_cache
 from savebench.common import Progress
 from savebench.measure import short_error
 

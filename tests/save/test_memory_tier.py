@@ -53,6 +53,14 @@ def save_then_keep(root: str, memory_dir, disk_steps, memory_step) -> None:
             ckpt.finalize(blocking=True)
 
 
+def step_2_in_memory_only(tmp_path):
+    """A root with step 1 committed and step 2 in the memory tier only (its folder `shm`)."""
+    root, shm = str(tmp_path / "ckpt"), tmp_path / "shm"
+    shm.mkdir()
+    save_then_keep(root, shm, [1], 2)
+    return root, shm
+
+
 def resume(root: str, memory_dir, **kw):
     target = zeros_like_state(state_at(0))
     with AsyncCheckpointer(root, config(memory_dir, **kw)) as ckpt:
@@ -61,9 +69,7 @@ def resume(root: str, memory_dir, **kw):
 
 
 def test_a_memory_only_save_is_restored_then_persisted_in_the_background(tmp_path):
-    root, shm = str(tmp_path / "ckpt"), tmp_path / "shm"
-    shm.mkdir()
-    save_then_keep(root, shm, [1], 2)
+    root, shm = step_2_in_memory_only(tmp_path)
     assert [c.step for c in list_checkpoints(root)] == [1]  # nothing of step 2 on disk
     copy = read_copy(str(shm / memory_file_name(root, 0)))
     assert (copy.step, copy.memory_only) == (2, True)
@@ -86,12 +92,10 @@ def test_a_memory_only_save_is_restored_then_persisted_in_the_background(tmp_pat
 
 
 def test_the_persist_of_a_restored_copy_waits_for_no_worker(tmp_path):
-    """load_latest returns right after the restore: the persist goes to the new worker from a private
-    copy on a thread (its start-up and staging are not the restart's), and the tier's file keeps
+    """load_latest returns right after the restore: the persist goes to the new worker from the
+    tier's file on a thread (its start-up and staging are not the restart's), and the file keeps
     the copy until the persist's own copy is sealed."""
-    root, shm = str(tmp_path / "ckpt"), tmp_path / "shm"
-    shm.mkdir()
-    save_then_keep(root, shm, [1], 2)
+    root, shm = step_2_in_memory_only(tmp_path)
     target = zeros_like_state(state_at(0))
     with AsyncCheckpointer(root, config(shm)) as ckpt:
         assert ckpt.load_latest(target) == 2
@@ -118,9 +122,7 @@ def test_the_persist_is_taken_from_the_tier_file_and_leaves_the_trainers_tensors
     they are (not moved into shared memory: that is the job's first save's work). A file that
     no longer holds that save, or a plan it cannot serve, gives None (the trainer's tensors are
     snapshotted instead)."""
-    root, shm = str(tmp_path / "ckpt"), tmp_path / "shm"
-    shm.mkdir()
-    save_then_keep(root, shm, [1], 2)
+    root, shm = step_2_in_memory_only(tmp_path)
     path = str(shm / memory_file_name(root, 0))
     target = zeros_like_state(state_at(0))
     with AsyncCheckpointer(root, config(shm)) as ckpt:
@@ -146,9 +148,7 @@ def test_prepare_after_a_restore_does_not_wait_for_the_persist(tmp_path):
     """The README's order with the tier: load_latest, prepare, train. prepare moves the trainer's
     tensors and returns without waiting for the persist's writes (its hand-off thread owns the
     worker); the first save then takes them, and both steps are on disk as they were saved."""
-    root, shm = str(tmp_path / "ckpt"), tmp_path / "shm"
-    shm.mkdir()
-    save_then_keep(root, shm, [1], 2)
+    root, shm = step_2_in_memory_only(tmp_path)
     target = zeros_like_state(state_at(0))
     with AsyncCheckpointer(root, config(shm)) as ckpt:
         assert ckpt.load_latest(target) == 2
@@ -166,9 +166,7 @@ def test_prepare_after_a_restore_does_not_wait_for_the_persist(tmp_path):
 
 
 def test_a_restored_copy_not_persisted_on_request_stays_in_memory(tmp_path):
-    root, shm = str(tmp_path / "ckpt"), tmp_path / "shm"
-    shm.mkdir()
-    save_then_keep(root, shm, [1], 2)
+    root, shm = step_2_in_memory_only(tmp_path)
     step, report, target = resume(root, shm, memory_persist_restored=False)
     assert (step, report.source, report.persisted) == (2, "memory", False)
     assert read_latest_marker(root) == "step_00000001"  # the next disk save persists it
@@ -191,9 +189,7 @@ def corrupt(path: str, how: str) -> None:
 def test_a_copy_that_is_not_this_saves_whole_newer_copy_is_not_used(tmp_path, caplog):
     """Damaged (a flipped byte), incomplete, another root's, older than the disk: the disk, with a
     WARNING for all but the older one (nothing is wrong with that)."""
-    root, shm = str(tmp_path / "ckpt"), tmp_path / "shm"
-    shm.mkdir()
-    save_then_keep(root, shm, [1], 2)
+    root, shm = step_2_in_memory_only(tmp_path)
     path = str(shm / memory_file_name(root, 0))
     pristine = open(path, "rb").read()
     for case, expected in (("damaged", 1), ("incomplete", 1), ("another root", None), ("older", 3)):
