@@ -93,7 +93,10 @@ class AsyncCheckpointer(InterruptedExit, IntegrationHooks):
             take_root(self._folders, self.root, self._group, self._config.fsync)
         try:
             self._memory = MemoryTier(config, self.root, self._group, memory_folder) if config.memory_tier else None
-            self._worker = RankWorker(config, self.rank, self._memory and self._memory.worker_settings())  # starts now
+            # a copy waiting in memory: the worker starts once load_latest has read it (its start-up
+            # would take the cores the restore reads with), or at the first call that needs it
+            waiting = self._memory is not None and self._memory.holds_copy
+            self._worker = RankWorker(config, self.rank, self._memory and self._memory.worker_settings(), defer=waiting)
         except BaseException:
             self._folders.release()
             raise
@@ -293,8 +296,15 @@ class AsyncCheckpointer(InterruptedExit, IntegrationHooks):
         intact checkpoint whose checksums sidecar is damaged). `allow_partial`: as `load`'s strict=False."""
         if self.root is None:
             raise CheckpointError("load_latest needs a checkpoint root: AsyncCheckpointer(root, ...)")
-        restarted = restart(state_dict, self.root, self._group, self._memory, trusted=trusted, strict=strict,
-                            checksums=checksums, allow_partial=allow_partial)  # memory (the history rule), else the disk
+        try:
+            return self._restart(state_dict, trusted=trusted, strict=strict, checksums=checksums,
+                                 allow_partial=allow_partial)
+        finally:
+            if self._worker_free():  # (a persist's hand-off starts it itself, off this thread)
+                self._worker.start_deferred()
+
+    def _restart(self, state_dict: dict[str, Any], **options: Any) -> Optional[int]:
+        restarted = restart(state_dict, self.root, self._group, self._memory, **options)  # memory (the history rule), else disk
         report = self.resume_report = restarted.report
         if report is None:
             return None

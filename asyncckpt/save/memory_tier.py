@@ -75,6 +75,11 @@ class MemoryTier:
         self._plans: dict[str, bytes] = {}  # by structure key
         remove_stale(directory, keep=memory_file_name(self.key, 0).rsplit("-rank", 1)[0] + "-rank")
 
+    @property
+    def holds_copy(self) -> bool:
+        """Whether a copy from an earlier process waits in this rank's file (a restart is likely)."""
+        return os.path.exists(self.path)
+
     def worker_settings(self) -> MemoryTierSettings:
         return MemoryTierSettings(self.path, root_key(self.key), self.group.size, hold_s=self.config.timeout_s)
 

@@ -31,7 +31,9 @@ log = logging.getLogger("asyncckpt")
 
 
 class RankWorker:
-    def __init__(self, config: CheckpointConfig, rank: int, memory: Optional[MemoryTier] = None) -> None:
+    def __init__(self, config: CheckpointConfig, rank: int, memory: Optional[MemoryTier] = None,
+                 defer: bool = False) -> None:
+        """`defer`: start the worker later (`start_deferred`, or the first call that needs it), not now."""
         self.config = config
         self.rank = rank
         self.memory = memory  # the memory tier's file, when configured
@@ -41,7 +43,14 @@ class RankWorker:
         self._preparing: Optional[int] = None  # the id of a preparation not answered yet
         self._abandoned = False  # after Ctrl-C: the worker was killed, and no other may start
         self._spare: Optional[SpareCopy] = None  # a first save's copy's memory, while it is under way
-        self.start()  # spawn now, so the first save does not pay for the interpreter start
+        self._deferred = defer
+        if not defer:
+            self.start()  # spawn now, so the first save does not pay for the interpreter start
+
+    def start_deferred(self) -> None:
+        """Start the worker whose start was deferred, if nothing has started it since."""
+        if self._deferred and self._client is None and not self._abandoned:
+            self.start()
 
     @property
     def pid(self) -> Optional[int]:
@@ -65,6 +74,7 @@ class RankWorker:
     def start(self) -> None:
         if self._abandoned:
             raise WorkerDiedError(f"rank {self.rank}: the checkpointer is closing after Ctrl-C; no new worker starts")
+        self._deferred = False
         # no CUDA device here: the worker takes it from the tensors of each save (a device read
         # now would be the wrong one where the checkpointer is built before set_device or on
         # another thread, and would initialise CUDA in a CPU-only job)

@@ -116,6 +116,31 @@ def test_the_persist_of_a_restored_copy_waits_for_no_worker(tmp_path):
     assert_state_equal(loaded, state_at(2))
 
 
+def test_with_a_copy_waiting_the_worker_starts_once_the_restore_has_read_it(tmp_path):
+    """A copy in memory means a restart: a new worker's start-up (an interpreter, torch) would take
+    the cores the restore reads with, so it starts when load_latest has read, or at the first save
+    of a checkpointer that does not restore. Without a copy it starts in the constructor."""
+    root, shm = str(tmp_path / "ckpt"), tmp_path / "shm"
+    shm.mkdir()
+    with AsyncCheckpointer(root, config(shm, memory_keep=True)) as ckpt:
+        assert ckpt.worker_pid is not None  # nothing to restore: started at once
+        ckpt.schedule_save(state_at(1), step=1)
+    target = zeros_like_state(state_at(0))
+    with AsyncCheckpointer(root, config(shm, memory_keep=True)) as ckpt:
+        assert ckpt.worker_pid is None
+        assert ckpt.load_latest(target) == 1 and ckpt.resume_report.source == "memory"
+        assert ckpt.worker_pid is not None  # started as load_latest returned, before any save
+        assert_state_equal(target, state_at(1))
+    with AsyncCheckpointer(root, config(shm)) as ckpt:
+        assert ckpt.worker_pid is None
+        ckpt.schedule_save(state_at(2), step=2)  # no restore: the save starts it
+        assert ckpt.worker_pid is not None
+        assert [r.step for r in ckpt.finalize(blocking=True)] == [2]
+    step, report, target = resume(root, shm, memory_tier=False)
+    assert (step, report.source) == (2, "disk")
+    assert_state_equal(target, state_at(2))
+
+
 def test_the_persist_is_taken_from_the_tier_file_and_leaves_the_trainers_tensors_alone(tmp_path):
     """load_latest copies nothing for the persist: its snapshot is views of the tier's file
     (save/mapped_copy.py), equal to the restored values, and the trainer's tensors stay where
