@@ -16,7 +16,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Optional
 
-from ..layout import ROOT_ID_FILE, latest_checkpoint
+from ..layout import METADATA_FILE, ROOT_ID_FILE, latest_checkpoint
 from ..storage import is_remote, storage_for
 from .safe_reader import read_metadata
 
@@ -73,11 +73,35 @@ def newest_committed(root: str) -> Optional[Base]:
     info = latest_checkpoint(root)
     if info is None:
         return None
+    return Base(info.step, _save_id(info.path))
+
+
+_SAVE_IDS: dict[str, tuple[tuple[int, int, int], Optional[str]]] = {}  # checkpoint -> (its .metadata's stat, id)
+
+
+def _save_id(checkpoint: str) -> Optional[str]:
+    """The save id a checkpoint's `.metadata` records (None: unreadable, it matches no copy's base).
+    A local one is parsed once per version of the file (it is published by a rename: a new inode),
+    not at the constructor and again at each restart: parsing it is a large file's work at scale."""
+    key = None
+    if not is_remote(checkpoint):
+        try:
+            stat = os.stat(os.path.join(checkpoint, METADATA_FILE))
+            key = (stat.st_ino, stat.st_size, stat.st_mtime_ns)
+        except OSError:
+            return None
+        if checkpoint in _SAVE_IDS and _SAVE_IDS[checkpoint][0] == key:
+            return _SAVE_IDS[checkpoint][1]
     try:
-        meta = read_metadata(info.path).storage_meta
-    except Exception:  # unreadable: it matches no copy's base
-        return Base(info.step, None)
-    return Base(info.step, meta.save_id if meta is not None else None)
+        meta = read_metadata(checkpoint).storage_meta
+        save_id = meta.save_id if meta is not None else None
+    except Exception:
+        return None
+    if key is not None:
+        if len(_SAVE_IDS) > 256:
+            _SAVE_IDS.clear()
+        _SAVE_IDS[checkpoint] = (key, save_id)
+    return save_id
 
 
 @dataclass(frozen=True)

@@ -293,3 +293,20 @@ def test_prepare_and_a_clean_close_keep_a_restored_copy_not_yet_persisted(tmp_pa
     step, report, target = resume(root, shm)
     assert (step, report.source) == (2, "memory")
     assert_state_equal(target, state_at(2))
+
+
+def test_the_newest_save_id_is_read_again_once_its_metadata_is_replaced(tmp_path):
+    """The root's newest save id is parsed once per version of its `.metadata`: the same step
+    committed again (a new file under the same name) is seen with its new id."""
+    from asyncckpt.loading.history import newest_committed
+    roots = [str(tmp_path / name) for name in ("a", "b")]
+    for root in roots:
+        with AsyncCheckpointer(root, CheckpointConfig(worker_nice=None, worker_ionice=None)) as ckpt:
+            ckpt.schedule_save(state_at(1), step=1)
+    first, other = newest_committed(roots[0]), newest_committed(roots[1])
+    assert first.step == other.step == 1 and first.save_id != other.save_id
+    assert newest_committed(roots[0]) == first
+    published = os.path.join(roots[0], "step_00000001", ".metadata")
+    shutil.copyfile(os.path.join(roots[1], "step_00000001", ".metadata"), published + ".new")
+    os.replace(published + ".new", published)
+    assert newest_committed(roots[0]) == other
