@@ -17,6 +17,11 @@ Resuming picks the newest *committed* `checkpoint-N` (a folder a killed run left
 Trainer checkpoint folder. Rotation (`save_total_limit`) runs after each commit and never deletes
 the save in flight, the newest committed checkpoint or the best one.
 
+Preemption: with `CheckpointConfig(preemption_signals=(signal.SIGTERM,))` as `checkpoint_config`,
+the signal stops training at the end of the step it lands in (`control.should_training_stop`),
+and `train()` returns once the newest staged save is committed; end the script with
+`asyncckpt.requeue_exit()`. The Trainer must be built on the main thread (signal handlers).
+
 This module imports Transformers (`pip install asyncckpt[hf]`); `import asyncckpt` does not.
 """
 
@@ -273,13 +278,18 @@ class AsyncCheckpointTrainer(AsyncCheckpointMixin, transformers.Trainer):
 
 class _CommitPoller(TrainerCallback):
     """Commits finished saves at the end of every optimizer step (a cheap check while one is in
-    flight), so save_total_limit and `.metadata` follow the writes closely."""
+    flight), so save_total_limit and `.metadata` follow the writes closely. After a preemption
+    signal (CheckpointConfig.preemption_signals) it stops training at the end of that step:
+    `train()` then returns once the newest staged save is committed (within grace_s)."""
 
     def __init__(self, trainer: AsyncCheckpointMixin) -> None:
         self._trainer = trainer
 
     def on_step_end(self, args, state, control, **kwargs):
         self._trainer._commit(blocking=False)
+        checkpointer = self._trainer._checkpointer
+        if checkpointer is not None and checkpointer.preempted:
+            control.should_training_stop = True
 
 
 def _rng_key(args) -> str:

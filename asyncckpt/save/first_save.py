@@ -1,8 +1,9 @@
-"""The first save to a worker that is still starting (or still busy with `prepare`): hand it a
-private copy in the background.
+"""The first save to a worker (starting, or started but holding nothing of this state yet, or still
+busy with `prepare`): hand it a private copy in the background.
 
-A worker's start-up (an interpreter importing torch: about a second) has no earlier save to hide
-behind on the first save. So when a save finds its worker not ready, the trainer does its part as
+A worker's start-up (an interpreter importing torch: about a second) and its first slab (a fresh
+copy of the state's size to fault in: 0.5-1 s per GiB here) have no earlier save to hide behind on
+the first save. So when a save would send its worker every tensor, the trainer does its part as
 always (planning, moving its own CPU tensors into shared memory once, in place: what every later
 save relies on) and returns with a private copy: the pages its tensors left when they moved,
 which hold the values of the call (no copy made; where torch cannot swap a storage's pages, or a
@@ -98,7 +99,7 @@ def hand_off_if_starting(worker: RankWorker, flight: InFlightSave, snapshot: Sna
 
 def hands_off(config: CheckpointConfig, worker: RankWorker, slot: int, memory: Optional["MemoryTier"]) -> bool:
     """Whether a save in `slot` is handed over from a private copy (if its tensors allow:
-    `private_snapshot`): a first save to a worker still starting (`copies_allowed`, `may_hand_off`),
+    `private_snapshot`): a first save to its worker (`copies_allowed`, `may_hand_off`),
     or the persist of the copy load_latest just restored from memory (`MemoryTier.persisting`),
     whatever the worker's state: the tier's file holds that copy until the persist's own copy is
     sealed, so nothing needs it staged when the call returns, and load_latest waits for neither
@@ -117,11 +118,12 @@ def copies_allowed(config: CheckpointConfig) -> bool:
 
 def may_hand_off(worker: RankWorker, slot: int) -> bool:
     """Whether a save in `slot` now would be handed over from a private copy (if its tensors allow:
-    `private_snapshot`): its worker is still starting and would be sent every tensor, or is still
+    `private_snapshot`): its worker would be sent every tensor (still starting, or started and
+    holding nothing for `slot`: it would fault a fresh slab in while the save waits), or is still
     busy with `prepare` (starting up, readying its slab: work that must not land on the save that
     follows it). Asked before the snapshot, so that moving the trainer's tensors into shared
     memory keeps their old pages."""
-    return (not worker.ready and worker.holds_nothing_in(slot)) or worker.preparing
+    return worker.holds_nothing_in(slot) or worker.preparing
 
 
 def private_snapshot(snapshot: Snapshot, worker: RankWorker) -> Optional[Snapshot]:

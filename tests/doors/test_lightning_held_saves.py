@@ -296,7 +296,7 @@ def test_a_worker_killed_with_a_save_held_fails_that_save_and_the_held_one_commi
                 break
             threading.Event().wait(0.05)
         assert last_committed.exists(), "the held save was not written without a call from Lightning"
-        with pytest.raises(CheckpointError, match=r"epoch=0-step=1\.ckpt' not committed: rank 0: checkpoint worker pid \d+ died"):
+        with pytest.raises(CheckpointError, match=r"epoch=0-step=1\.ckpt' not committed: rank 0: .*checkpoint worker pid \d+ died"):
             plugin.teardown()  # then says what failed
         assert not os.path.exists(os.path.join(best, ".metadata"))
         assert_exactly_equal(plugin.load_checkpoint(str(tmp_path / "last.ckpt"))["state_dict"], expected)

@@ -353,3 +353,29 @@ def test_with_the_memory_tier_a_resume_loads_the_checkpoint_from_memory_as_from_
     with caplog.at_level("INFO", logger="asyncckpt"):
         again.train(resume_from_checkpoint=os.path.join(out, "checkpoint-5"))  # memory holds checkpoint-15's save
     assert not [r for r in caplog.records if "from memory" in r.getMessage()]
+
+
+def test_a_preemption_signal_stops_training_at_that_step_and_the_staged_save_commits(tmp_path, uninterrupted):
+    """SIGTERM at step 12 (the save of step 10 staged): training stops at the end of that step,
+    train() returns with checkpoint-10 committed (no new save), and a resume from it ends equal
+    to the run that was never stopped."""
+    import signal
+
+    class SignalAt(transformers.TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 12:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    out = str(tmp_path / "run")
+    before = signal.getsignal(signal.SIGTERM)
+    trainer = hf_trainer.make_trainer(out, callbacks=[SignalAt()])
+    trainer.checkpoint_config = CheckpointConfig(preemption_signals=(signal.SIGTERM,), grace_s=120)
+    trainer.train()
+    assert trainer.state.global_step == 12
+    assert checkpoint_dirs(out) == ["checkpoint-5", "checkpoint-10"]
+    assert all(METADATA in os.listdir(os.path.join(out, d)) for d in checkpoint_dirs(out))
+    assert signal.getsignal(signal.SIGTERM) == before  # given back with the checkpointer
+    resumed = hf_trainer.make_trainer(out)
+    resumed.train(resume_from_checkpoint=True)
+    assert resumed.state.global_step == hf_trainer.STEPS
+    assert_same(final_state(resumed), uninterrupted[1])

@@ -49,9 +49,13 @@ LOOP = textwrap.dedent(
 )
 
 
+STACKS_ON_SIGUSR1 = "import faulthandler, signal\nfaulthandler.register(signal.SIGUSR1, all_threads=True)\n"
+
+
 def start(tmp_path, name: str, script: str, *args: str) -> subprocess.Popen:
+    """Run `script` in a session of its own; SIGUSR1 makes it print every thread's stack."""
     path = tmp_path / f"{name}.py"
-    path.write_text(script)
+    path.write_text(STACKS_ON_SIGUSR1 + script)
     return subprocess.Popen([sys.executable, str(path), *args], cwd=REPO, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
 
@@ -69,7 +73,9 @@ def interrupt_after(process: subprocess.Popen, moment: tuple[int, float]) -> dic
     sent = time.monotonic()
     try:
         out, err = process.communicate(timeout=EXIT_BOUND_S + 30)
-    except subprocess.TimeoutExpired:
+    except subprocess.TimeoutExpired:  # where it is stuck, for the failure's message (faulthandler)
+        os.kill(process.pid, signal.SIGUSR1)
+        time.sleep(2.0)
         os.killpg(process.pid, signal.SIGKILL)
         out, err = process.communicate()
     ended_s = time.monotonic() - sent
@@ -218,6 +224,8 @@ def test_a_second_ctrl_c_ends_at_once_and_the_last_committed_checkpoint_is_intac
     try:  # the script itself; its output pipes stay open while anything of its session holds them
         script.wait(timeout=60)
     except subprocess.TimeoutExpired:
+        os.kill(script.pid, signal.SIGUSR1)  # its stacks, for the failure's message
+        time.sleep(2.0)
         script.kill()
     ended_s = time.monotonic() - sent
     left = _session_left(script.pid, 10.0)  # the frozen worker and all it started were killed
