@@ -27,7 +27,7 @@ from ..storage import is_remote, storage_for
 from ..storage.requests import COUNTER
 from . import at_exit
 from .commit import CommitMemory, RankOutcome, SaveTarget, finish_save
-from .first_save import HandOff, hand_off_if_starting, hands_off
+from .first_save import HandOff, hand_off_from_copy, hands_off
 from .guard import GuardHandles, guard_calls
 from .incremental import Continuation
 from .inflight import InFlightSave
@@ -206,8 +206,8 @@ class AsyncCheckpointer(InterruptedExit, IntegrationHooks):
             else:
                 snapshot = take_snapshot(planned, keep_old_pages=hand_off)  # (the pages moved tensors leave: the copy)
                 self._warnings.about(snapshot)
-                if hand_off:  # a worker still starting gets a private copy, off this thread
-                    flight.hand_off = hand_off_if_starting(self._worker, flight, snapshot, bases, cache_slot)
+                if hand_off:  # a first save to its worker: handed over from a private copy, off this thread
+                    flight.hand_off = hand_off_from_copy(self._worker, flight, snapshot, bases, cache_slot)
             if flight.hand_off is None:
                 self._worker.ensure_alive()
                 self._worker.send(flight, snapshot, bases, cache_slot)

@@ -88,7 +88,7 @@ class HandOff:
             self._done.set()
 
 
-def hand_off_if_starting(worker: RankWorker, flight: InFlightSave, snapshot: Snapshot,
+def hand_off_from_copy(worker: RankWorker, flight: InFlightSave, snapshot: Snapshot,
                          bases: tuple[IncrementalBase, ...], slot: int) -> Optional[HandOff]:
     """Hand the save over in the background from a private copy (`hands_off` said so), if
     `private_snapshot` takes one."""
