@@ -50,13 +50,18 @@ class AsyncCheckpointIO(CheckpointIO):
     incremental (DEFAULT_CONFIG): ModelCheckpoint saves each event's state twice (top-k, then
     last.ckpt), and the second then writes none of its tensors. `trusted=True` unpickles objects
     in a checkpoint fully (needed for e.g. custom classes in `hyper_parameters`); a call's
-    explicit `weights_only=` decides for that call."""
+    explicit `weights_only=` decides for that call. Preemption: Lightning's own SIGTERM handling
+    stops fit at the end of the batch; its teardown commits every save staged by then."""
 
     def __init__(self, config: Optional[CheckpointConfig] = None, *, trusted: bool = False, max_in_flight: int = 2):
         super().__init__()
         if config is None:
             config = DEFAULT_CONFIG
         check_door_config(config, "AsyncCheckpointIO", "ModelCheckpoint(save_top_k=...)")
+        if config.preemption_signals:  # ours would replace Lightning's handler, and nothing would stop fit
+            raise ValueError("AsyncCheckpointIO: leave CheckpointConfig.preemption_signals empty: Lightning handles "
+                             "SIGTERM itself (fit stops at the end of the batch and tears down, which commits the "
+                             "saves this plugin has staged)")
         if type(max_in_flight) is not int or max_in_flight < 1:
             raise ValueError(f"max_in_flight must be an integer >= 1, not {max_in_flight!r}")
         self.config, self.trusted, self.max_in_flight = config, bool(trusted), max_in_flight

@@ -8,6 +8,7 @@ import collections
 import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -134,6 +135,8 @@ def test_bad_input_is_refused_clearly(tmp_path):
         AsyncCheckpointIO(CheckpointConfig(keep_last=2))
     with pytest.raises(ValueError, match="staging='eager'"):  # a lazy copy would see the next step's values
         AsyncCheckpointIO(CheckpointConfig(staging="lazy"))
+    with pytest.raises(ValueError, match="Lightning handles SIGTERM itself"):
+        AsyncCheckpointIO(CheckpointConfig(preemption_signals=(signal.SIGTERM,)))
     plugin = AsyncCheckpointIO(max_in_flight=1)
     try:
         with pytest.raises(TypeError, match="storage_options"):
@@ -257,3 +260,33 @@ def test_a_save_failing_at_exit_without_close_makes_the_exit_status_1(tmp_path):
     assert done.returncode == 1, (done.returncode, said[-2000:])
     assert "NOT committed at interpreter exit" in said and "AsyncCheckpointIO" in said, said[-2000:]
     assert sorted(os.listdir(root)) == ["a.ckpt"]  # the failed save left nothing looking complete
+
+
+def test_sigterm_mid_fit_commits_the_staged_save_and_a_resume_from_last_ends_exactly_as_default_io(tmp_path):
+    """Lightning's own SIGTERM handling: the signal at step 5 ends fit at the end of that batch
+    (SIGTERMException); its teardown commits the save of step 4 the plugin staged, and a fit
+    resumed from last.ckpt ends exactly as with Lightning's default IO resumed from step 4 (mid
+    epoch: its data loader starts the epoch again, as the reference's does)."""
+    from lightning.pytorch.callbacks import Callback
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    class SignalAt(Callback):
+        def on_train_batch_end(self, trainer, *args):
+            if trainer.global_step == 5:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    _fit(str(tmp_path / "d"), 4)
+    reference = _final(*_fit(str(tmp_path / "d"), 12, ckpt_path="last")[:2])
+    folder = str(tmp_path / "run")
+    before = signal.getsignal(signal.SIGTERM)
+    plugin = AsyncCheckpointIO()
+    try:
+        with pytest.raises(SIGTERMException):
+            _fit(folder, 12, plugin, callbacks=[SignalAt()])
+        assert signal.getsignal(signal.SIGTERM) == before
+        assert _is_committed_dir(os.path.join(folder, "last.ckpt"))
+        assert plugin.load_checkpoint(os.path.join(folder, "last.ckpt"))["global_step"] == 4
+        resumed = _final(*_fit(folder, 12, plugin, ckpt_path="last")[:2])
+    finally:
+        plugin.close()
+    assert_exactly_equal(resumed, reference, "resumed after SIGTERM vs default IO resumed from step 4")
