@@ -278,6 +278,8 @@ def test_a_worker_killed_with_a_save_held_fails_that_save_and_the_held_one_commi
                 if plugin._saves.saver.worker_ready:
                     break
             threading.Event().wait(0.05)
+        plugin.save_checkpoint({"state_dict": model, "step": 0}, str(tmp_path / "warm.ckpt"))  # the first save
+        plugin._saves.settle()  # (handed over from a copy) is done: the next one is written by the worker alone
         best = str(tmp_path / "epoch=0-step=1.ckpt")
         plugin.save_checkpoint({"state_dict": model, "step": 1}, best)
         worker.suspend()  # the top-k save stays in flight, so last.ckpt is held

@@ -49,13 +49,23 @@ LOOP = textwrap.dedent(
 )
 
 
-STACKS_ON_SIGUSR1 = "import faulthandler, signal\nfaulthandler.register(signal.SIGUSR1, all_threads=True)\n"
+# SIGINT as a terminal's script has it: a suite started in the background by a non-interactive
+# shell (`.ci/run &`) inherits SIGINT ignored, and Python then leaves it ignored in every script it
+# starts, whose main thread never sees the Ctrl-C (seen in CI); SIGUSR1 prints every thread's stack
+PREAMBLE = textwrap.dedent(
+    """
+    import faulthandler, signal
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    """
+)
 
 
 def start(tmp_path, name: str, script: str, *args: str) -> subprocess.Popen:
-    """Run `script` in a session of its own; SIGUSR1 makes it print every thread's stack."""
+    """Run `script` in a session of its own, with SIGINT as a terminal gives it (PREAMBLE)."""
     path = tmp_path / f"{name}.py"
-    path.write_text(STACKS_ON_SIGUSR1 + script)
+    path.write_text(PREAMBLE + script)
     return subprocess.Popen([sys.executable, str(path), *args], cwd=REPO, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
 
@@ -277,7 +287,7 @@ def test_ctrl_c_inside_close_commits_the_staged_save_and_says_so(tmp_path):
     KeyboardInterrupt reaches the script (it does not end up 'closed' as if nothing happened)."""
     root = str(tmp_path / "ckpt")
     path = tmp_path / "closing.py"
-    path.write_text(CLOSING)
+    path.write_text(PREAMBLE + CLOSING)
     script = subprocess.Popen([sys.executable, str(path), root], cwd=REPO, stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     worker = int(script.stdout.readline())
