@@ -58,7 +58,7 @@ class AsyncCheckpointIO(CheckpointIO):
         if config is None:
             config = DEFAULT_CONFIG
         check_door_config(config, "AsyncCheckpointIO", "ModelCheckpoint(save_top_k=...)")
-        if config.preemption_signals:  # ours would replace Lightning's handler, and nothing would stop fit
+        if config.preemption_signals:  # a handler of ours would compete with Lightning's (docs/usage.md)
             raise ValueError("AsyncCheckpointIO: leave CheckpointConfig.preemption_signals empty: Lightning handles "
                              "SIGTERM itself (fit stops at the end of the batch and tears down, which commits the "
                              "saves this plugin has staged)")

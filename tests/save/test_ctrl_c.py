@@ -83,15 +83,22 @@ def interrupt_after(process: subprocess.Popen, moment: tuple[int, float]) -> dic
     sent = time.monotonic()
     try:
         out, err = process.communicate(timeout=EXIT_BOUND_S + 30)
-    except subprocess.TimeoutExpired:  # where it is stuck, for the failure's message (faulthandler)
-        os.kill(process.pid, signal.SIGUSR1)
-        time.sleep(2.0)
+    except subprocess.TimeoutExpired:
+        print_stacks_then_kill(process)
         os.killpg(process.pid, signal.SIGKILL)
         out, err = process.communicate()
     ended_s = time.monotonic() - sent
     left = _session_left(process.pid, 10.0)
     return {"moment": moment, "ended_s": ended_s, "rc": process.returncode, "stdout": first + out, "stderr": err,
             "left": left}
+
+
+def print_stacks_then_kill(process: subprocess.Popen) -> None:
+    """A script that did not end: its threads' stacks onto its stderr (PREAMBLE's SIGUSR1), for the
+    failure's message, then SIGKILL."""
+    os.kill(process.pid, signal.SIGUSR1)
+    time.sleep(2.0)
+    process.kill()
 
 
 def _session_left(sid: int, wait_s: float) -> list[str]:
@@ -234,9 +241,7 @@ def test_a_second_ctrl_c_ends_at_once_and_the_last_committed_checkpoint_is_intac
     try:  # the script itself; its output pipes stay open while anything of its session holds them
         script.wait(timeout=60)
     except subprocess.TimeoutExpired:
-        os.kill(script.pid, signal.SIGUSR1)  # its stacks, for the failure's message
-        time.sleep(2.0)
-        script.kill()
+        print_stacks_then_kill(script)
     ended_s = time.monotonic() - sent
     left = _session_left(script.pid, 10.0)  # the frozen worker and all it started were killed
     _, err = script.communicate(timeout=30)
