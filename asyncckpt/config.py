@@ -61,6 +61,13 @@ class CheckpointConfig:
         background right away (True, default: `load_latest` waits only for it to be staged; the write
         commits at a later `finalize`, and `resume_report.persisted` turns True). False: it stays in
         memory only until the next disk save.
+    memory_replicas: with memory_tier, each rank's worker also sends every copy it sealed to the
+        workers of this many ranks on other nodes (0, default: the copies stay on their node), so a
+        restart after losing up to this many nodes restores from memory (docs/usage.md, "Restart from
+        memory"). Nodes come from `node_of`; needs a process group of several nodes to do anything.
+    node_of: rank -> node (any hashable) for memory_replicas; default: the host name each rank runs on.
+    replica_host: the address the workers receive copies on (default: the address the host name
+        resolves to); every connection is authenticated with a secret of the job's.
     prefixes: spread each save's data files over this many data folders of the step directory
         (rank r's in `p{r % prefixes}`), each a key prefix of its own on an object store; 1: every
         file directly in the step directory. None (default): on an object store, as many as keep
@@ -95,6 +102,9 @@ class CheckpointConfig:
     memory_dir: str = "/dev/shm"
     memory_keep: bool = False
     memory_persist_restored: bool = True
+    memory_replicas: int = 0
+    node_of: Optional[Callable[[int], Any]] = None
+    replica_host: Optional[str] = None
     prefixes: Optional[int] = None
     preemption_signals: tuple = ()
     grace_s: float = 25.0
@@ -131,6 +141,13 @@ class CheckpointConfig:
                              "staging_budget_bytes must be None")
         if not (isinstance(self.memory_dir, str) and os.path.isabs(self.memory_dir)):
             raise ValueError(f"CheckpointConfig.memory_dir={self.memory_dir!r} must be an absolute path")
+        _require_int(self, "memory_replicas", minimum=0)
+        if self.memory_replicas and not self.memory_tier:
+            raise ValueError("CheckpointConfig.memory_replicas sends the memory tier's copies: it needs memory_tier=True")
+        if self.node_of is not None and not callable(self.node_of):
+            raise ValueError("CheckpointConfig.node_of must be callable: rank -> node")
+        if self.replica_host is not None and not (isinstance(self.replica_host, str) and self.replica_host):
+            raise ValueError(f"CheckpointConfig.replica_host={self.replica_host!r} must be a host name or address")
         if self.on_commit is not None and not callable(self.on_commit):
             raise ValueError("CheckpointConfig.on_commit must be callable")
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -39,15 +39,29 @@ class ItemIndex:
 
 
 @dataclass(frozen=True)
+class Replication:
+    """The memory tier across nodes (asyncckpt/replica_wire.py): the job's `secret`, the socket
+    this rank's worker receives peers' copies on (the trainer's: a restarted worker keeps its
+    address), and the workers (rank, host, port) each sealed copy is sent to."""
+
+    secret: bytes
+    listener: Any  # socket.socket, handed to the spawned worker
+    targets: tuple[tuple[int, str, int], ...]
+    timeout_s: float
+
+
+@dataclass(frozen=True)
 class MemoryTier:
     """The memory tier (asyncckpt/memory_file.py): the staging slab lives in the file at `path`,
     whose header names `root` and `world_size`. `hold_s` bounds how long a worker whose trainer
-    died keeps staging the save under way, so that the copy is complete, before it exits."""
+    died keeps staging the save under way, so that the copy is complete, before it exits (and
+    sending it to its peers, with `replication`)."""
 
     path: str
     root: str
     world_size: int
     hold_s: float
+    replication: Optional[Replication] = None
 
 
 @dataclass(frozen=True)

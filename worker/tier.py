@@ -22,6 +22,7 @@ from asyncckpt.formats import crc32c
 from asyncckpt.memory_file import COMPLETE_AT, FOOTER_BYTES, Footer, StoredItem, encode_header, incomplete_flag
 from asyncckpt.protocol import TENSOR, ItemSpec, MemorySave, MemoryTier
 
+from .replicas import Replicator
 from .staging import StagingPool
 
 log = logging.getLogger("asyncckpt.worker")
@@ -52,6 +53,7 @@ class TierFile:
         self._state = threading.Condition()
         self._busy = False  # a save is between begin() and seal()/abandon()
         self._exiting = False
+        self.replicator = Replicator(settings, rank) if settings.replication is not None else None
 
     def begin(self) -> None:
         """A save is about to touch the slab: the copy there is no longer complete."""
@@ -59,6 +61,8 @@ class TierFile:
             if self._exiting:
                 raise TrainerGone("the trainer is gone; this save is not started")
             self._busy = True
+        if self.replicator is not None:
+            self.replicator.abandon()  # the copy being sent is about to change
         slab = self.pool.share()
         if slab is not None:
             size = os.fstat(slab.fd).st_size
@@ -97,6 +101,8 @@ class TierFile:
             os.pwrite(slab.fd, b"".join(blobs) + header, slab.size)
             os.pwrite(slab.fd, footer, at + len(header))
             self.pool.publish_slab()  # a fresh slab file replaces the previous copy only now, sealed
+            if self.replicator is not None:
+                self.replicator.push(memory.step, memory.token)
         finally:
             self._done()
 
@@ -110,8 +116,11 @@ class TierFile:
             self._state.notify_all()
 
     def hold_for_exit(self) -> bool:
-        """The trainer died: start no save, let the one staging now seal (at most hold_s).
-        True when no save is left under way."""
+        """The trainer died: start no save, let the one staging now seal and reach its peers (at
+        most hold_s in all). True when no save nor push is left under way."""
+        deadline = time.monotonic() + self.settings.hold_s
         with self._state:
             self._exiting = True
-            return self._state.wait_for(lambda: not self._busy, self.settings.hold_s)
+            if not self._state.wait_for(lambda: not self._busy, self.settings.hold_s):
+                return False
+        return self.replicator is None or self.replicator.finish(max(0.0, deadline - time.monotonic()))

@@ -30,6 +30,7 @@ from .load import load
 from .memory_plan import rebuild_metadata
 from .resume import ResumeReport
 from .opened import OpenCheckpoint, opened_with
+from .peer_copies import Peers, fill_from_peers
 from .safe_reader import SafeReader
 
 log = logging.getLogger("asyncckpt")
@@ -92,12 +93,14 @@ class MemoryAttempt:
 
 def restore(
     state_dict: dict[str, Any], root: str, memory_dir: str, group: Ranks, *, trusted: bool, wait_s: float,
-    key: Optional[str] = None, history: Optional[RootHistory] = None,
+    key: Optional[str] = None, history: Optional[RootHistory] = None, peers: Optional[Peers] = None,
 ) -> MemoryAttempt:
     """Load the memory copy into `state_dict` when it is the one to resume from (every rank
     decides the same). `key`: what keys the tier's files, when not the root
-    (save/memory_tier._tier_key); `history`: the root's, as the checkpointer found it."""
+    (save/memory_tier._tier_key); `history`: the root's, as the checkpointer found it; `peers`:
+    the other nodes, whose copies of what this node lacks are pulled first (loading/peer_copies.py)."""
     started = time.perf_counter()
+    pulled = fill_from_peers(memory_dir, key or root, group, peers, wait_s, _read_waiting) if peers else ()
     copies, seen = _look(memory_dir, key or root, group, wait_s)
     decision = group.broadcast(decide(seen, root, history) if group.is_coordinator else None)
     if not decision.use:
@@ -111,11 +114,10 @@ def restore(
     if loaded is not True:
         return MemoryAttempt(touched=any(group.all_gather(loaded == "touched")), newest=decision.newest)
     what = "memory only" if seen[0].memory_only else ("not committed" if decision.persist else "committed too")
-    log.info("resumed from memory: step %d (save %s, %s) in %.2fs", step, seen[0].token[:8], what,
-             time.perf_counter() - started)
-    return MemoryAttempt(MemoryRestore(ResumeReport(step, copies[group.rank].path, source="memory"), decision.persist,
-                                       seen[0].token),
-                         newest=decision.newest)
+    log.info("resumed from memory: step %d (save %s, %s%s) in %.2fs", step, seen[0].token[:8], what,
+             f", {len(pulled)} copies pulled from other nodes" if pulled else "", time.perf_counter() - started)
+    report = ResumeReport(step, copies[group.rank].path, source="peer" if pulled else "memory", pulled=pulled)
+    return MemoryAttempt(MemoryRestore(report, decision.persist, seen[0].token), newest=decision.newest)
 
 
 def restore_saved(

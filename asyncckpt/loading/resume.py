@@ -47,10 +47,11 @@ class SkippedCheckpoint:
 @dataclass(frozen=True)
 class ResumeReport:
     """What `load_latest` resumed from, and the newer checkpoints it skipped as damaged (newest
-    first). `source`: "disk" (a committed checkpoint, `path`) or "memory" (the memory tier's copy;
-    `path` is this rank's memory file). `persisted` (from memory only): None when the copy was
-    committed already, False while it is newer than the disk, True once a save committed it
-    (`persisted_at`: that commit's time, time.time())."""
+    first). `source`: "disk" (a committed checkpoint, `path`), "memory" (the memory tier's copy;
+    `path` is this rank's memory file) or "peer" (the memory tier's copy, with copies pulled from
+    other nodes first: `pulled`, loading/peer_copies.PulledCopy). `persisted` (from memory only):
+    None when the copy was committed already, False while it is newer than the disk, True once a
+    save committed it (`persisted_at`: that commit's time, time.time())."""
 
     step: int
     path: str
@@ -58,6 +59,7 @@ class ResumeReport:
     source: str = "disk"
     persisted: Optional[bool] = None
     persisted_at: Optional[float] = None
+    pulled: tuple = ()
 
 
 def resume(

@@ -32,6 +32,7 @@ from .inflight import InFlightSave
 from .memory_dir import warn_unless_memory
 from .mapped_copy import mapped_snapshot
 from .planning import PlannedSave
+from .replication import set_up
 from .snapshot import Snapshot
 from .ranks import RankGroup
 
@@ -73,6 +74,8 @@ class MemoryTier:
         self._restored: Optional[MemoryRestore] = None  # that copy, while it is being persisted
         self._saves = 0
         self._plans: dict[str, bytes] = {}  # by structure key
+        # copies on other nodes (collective: every rank builds its tier, so every rank gets here)
+        self.replicas = set_up(config, group) if config.memory_replicas and group.size > 1 else None
         remove_stale(directory, keep=memory_file_name(self.key, 0).rsplit("-rank", 1)[0] + "-rank")
 
     @property
@@ -81,7 +84,8 @@ class MemoryTier:
         return os.path.exists(self.path)
 
     def worker_settings(self) -> MemoryTierSettings:
-        return MemoryTierSettings(self.path, root_key(self.key), self.group.size, hold_s=self.config.timeout_s)
+        return MemoryTierSettings(self.path, root_key(self.key), self.group.size, hold_s=self.config.timeout_s,
+                                  replication=self.replicas.replication if self.replicas is not None else None)
 
     def next_save(self, planned: PlannedSave, step: Optional[int], memory_only: bool) -> MemorySave:
         """The header's record of the save being scheduled (the plan is sent when it is new to
@@ -115,7 +119,8 @@ class MemoryTier:
         """Load the memory copy when the history rule says it is the one to resume from
         (loading/memory_tier.py); loading/restart.py calls this."""
         attempt = restore(state_dict, self.root, self.config.memory_dir, self.group, trusted=trusted,
-                          wait_s=self.config.timeout_s, key=self.key, history=self.history)
+                          wait_s=self.config.timeout_s, key=self.key, history=self.history,
+                          peers=self.replicas.peers if self.replicas is not None else None)
         if self.history is not None:  # the root as it is now (another process may have committed since)
             self.base = attempt.newest
         if attempt.restored is not None and attempt.restored.persist:
@@ -157,6 +162,8 @@ class MemoryTier:
         whose newest save is memory-only), or its copy is newer than the disk (never dropped before
         it is persisted); so does no exit that follows an uncaught exception (at_exit closes then):
         that is a crash, whose copy a restart needs."""
+        if self.replicas is not None:
+            self.replicas.replication.listener.close()  # (the worker's copy goes with the worker)
         if keep or self.config.memory_keep or getattr(sys, "last_value", None) is not None:
             return
         if self.unpersisted is not None:
@@ -166,12 +173,20 @@ class MemoryTier:
         self._remove()
 
     def _remove(self) -> None:
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            log.warning("memory tier: could not remove %s: %s", self.path, exc)
+        """This rank's file, and with memory_replicas the copies of other nodes' ranks this node
+        keeps (received, or pulled by a restart)."""
+        paths = [self.path]
+        if self.replicas is not None:
+            nodes = self.replicas.peers.nodes
+            paths += [os.path.join(self.config.memory_dir, memory_file_name(self.key, rank))
+                      for rank, node in enumerate(nodes) if node != nodes[self.group.rank]]
+        for path in paths:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                log.warning("memory tier: could not remove %s: %s", path, exc)
 
 
 def remove_stale(directory: str, keep: str) -> list[str]:

@@ -1,0 +1,272 @@
+"""The memory tier across nodes (CheckpointConfig(memory_replicas=R)): each worker sends its sealed
+copy to a worker on another node, so a restart after losing a node restores from memory; the wire
+refuses a stranger and keeps only whole copies. Nodes are simulated on loopback: 4 ranks as 2
+nodes of 2 ranks, each node with its own memory_dir and `node_of`; losing a node = its memory_dir
+wiped (its processes are gone: the whole job restarts)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from asyncckpt import AsyncCheckpointer, CheckpointConfig
+from asyncckpt.layout import list_checkpoints
+from asyncckpt.memory_file import NotACopy, memory_file_name, read_copy, root_key
+from asyncckpt.replica_wire import Address, CopyServer, Expected, Push, ReplicaError, listener, new_secret, pull
+from asyncckpt.save.replication import replica_targets
+from conftest import assert_state_equal
+from multirank import run_ranks
+
+
+def node_of(rank: int) -> int:
+    return rank // 2
+
+
+def rank_state(rank: int, step: int) -> dict:
+    """A state of rank-own tensors and tensors every rank holds (saved once, by one rank: a
+    restart reads them from another rank's copy)."""
+    return {f"own{rank}": torch.arange(4096, dtype=torch.float32) * (rank + 1) + step,
+            "shared": {"w": torch.arange(2048, dtype=torch.float64) + step, "b": torch.full((7,), float(step))},
+            "step": step}
+
+
+def zeros_of(state: dict) -> dict:
+    return {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else zeros_of(v) if isinstance(v, dict) else v)
+            for k, v in state.items()}
+
+
+def node_config(shm: str, rank: int, replicas: int, **kw) -> CheckpointConfig:
+    return CheckpointConfig(memory_tier=True, memory_dir=os.path.join(shm, f"node{node_of(rank)}"),
+                            memory_replicas=replicas, node_of=node_of, replica_host="127.0.0.1", worker_nice=None,
+                            worker_ionice=None, timeout_s=60.0, memory_keep=True, **kw)
+
+
+def wait_for_copy(path: str, step: int, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if read_copy(path).step == step:
+                return
+        except NotACopy:
+            pass
+        assert time.monotonic() < deadline, f"{path} never held step {step}"
+        time.sleep(0.05)
+
+
+def _lose_nodes(rank: int, shm: str, nodes: list[int]) -> None:
+    dist.barrier()
+    if rank == 0:
+        for node in nodes:
+            shutil.rmtree(os.path.join(shm, f"node{node}"))
+            os.mkdir(os.path.join(shm, f"node{node}"))
+    dist.barrier()
+
+
+def _restart(rank: int, root: str, shm: str, replicas: int):
+    target = zeros_of(rank_state(rank, 0))
+    with AsyncCheckpointer(root, node_config(shm, rank, replicas, memory_persist_restored=False)) as ckpt:
+        step = ckpt.load_latest(target)
+        return step, ckpt.resume_report, target
+
+
+def _four_ranks_two_nodes(rank: int, world: int, root: str, shm: str) -> None:
+    nodes = [node_of(r) for r in range(world)]
+    with AsyncCheckpointer(root, node_config(shm, rank, 1)) as ckpt:
+        for step in (1, 2, 3):  # 1 on disk, 2 and 3 in memory only
+            ckpt.schedule_save(rank_state(rank, step), step=step, memory_only=step > 1)
+            ckpt.finalize(blocking=True)
+        for target in replica_targets(nodes, rank, 1):  # the copy of step 3 reached the other node
+            wait_for_copy(os.path.join(shm, f"node{node_of(target)}", memory_file_name(root, rank)), 3)
+    assert [c.step for c in list_checkpoints(root)] == [1]
+
+    _lose_nodes(rank, shm, [1])  # node 1 lost and replaced: its tier is empty
+    step, report, target = _restart(rank, root, shm, 1)
+    assert (step, report.source) == (3, "peer"), report
+    assert_state_equal(target, rank_state(rank, 3))
+    pulled = sorted((c.rank, c.into, c.node) for c in report.pulled)
+    assert [(r, node_of(into), node) for r, into, node in pulled] == [(r, 1, 0) for r in range(4)], pulled
+    assert all(c.nbytes > 0 for c in report.pulled)
+    assert [c.step for c in list_checkpoints(root)] == [1]  # nothing read from nor written to the disk meanwhile
+
+    _lose_nodes(rank, shm, [0, 1])  # both nodes: no copy is left anywhere
+    step, report, target = _restart(rank, root, shm, 1)
+    assert (step, report.source) == (1, "disk"), report
+    assert_state_equal(target, rank_state(rank, 1))
+
+
+@pytest.mark.timeout(400)
+def test_after_losing_a_node_the_restart_restores_from_the_other_nodes_copies(tmp_path):
+    shm = tmp_path / "shm"
+    for node in (0, 1):
+        (shm / f"node{node}").mkdir(parents=True)
+    run_ranks(_four_ranks_two_nodes, 4, str(tmp_path / "ckpt"), str(shm), timeout_s=360)
+
+
+def _without_replicas(rank: int, world: int, root: str, shm: str) -> None:
+    with AsyncCheckpointer(root, node_config(shm, rank, 0)) as ckpt:
+        for step in (1, 2):
+            ckpt.schedule_save(rank_state(rank, step), step=step, memory_only=step > 1)
+            ckpt.finalize(blocking=True)
+    step, report, target = _restart(rank, root, shm, 0)  # each node holds its own ranks' copies only
+    assert (step, report.source) == (1, "disk"), report
+    assert_state_equal(target, rank_state(rank, 1))
+
+
+@pytest.mark.timeout(300)
+def test_without_replicas_two_nodes_restart_from_the_disk(tmp_path):
+    shm = tmp_path / "shm"
+    for node in (0, 1):
+        (shm / f"node{node}").mkdir(parents=True)
+    run_ranks(_without_replicas, 4, str(tmp_path / "ckpt"), str(shm), timeout_s=240)
+
+
+# placement ----------------------------------------------------------------------------------------
+
+def test_placement_sends_each_copy_to_other_nodes_so_any_r_lost_nodes_leave_one():
+    nodes = [r // 4 for r in range(16)]  # 4 nodes of 4 ranks
+    for replicas in (1, 2, 3):
+        for rank in range(16):
+            targets = replica_targets(nodes, rank, replicas)
+            assert len(targets) == replicas and all(nodes[t] != nodes[rank] for t in targets)
+        for lost in _subsets(range(4), replicas):
+            for rank in range(16):
+                keepers = {nodes[rank], *(nodes[t] for t in replica_targets(nodes, rank, replicas))}
+                assert keepers - set(lost), (replicas, lost, rank)
+    assert replica_targets([0, 0, 0], 1, 1) == []  # one node: nowhere to send
+
+
+def _subsets(items, k):
+    items = list(items)
+    if k == 0:
+        yield ()
+        return
+    for i, item in enumerate(items):
+        for rest in _subsets(items[i + 1:], k - 1):
+            yield (item, *rest)
+
+
+# the wire -----------------------------------------------------------------------------------------
+
+@pytest.fixture
+def sealed_copy(tmp_path):
+    """A real sealed copy of rank 0 of a 1-rank job, and an empty 'other node' to send it to."""
+    root, here, there = str(tmp_path / "ckpt"), tmp_path / "here", tmp_path / "there"
+    here.mkdir()
+    there.mkdir()
+    config = CheckpointConfig(memory_tier=True, memory_dir=str(here), memory_keep=True, worker_nice=None,
+                              worker_ionice=None, timeout_s=60.0)
+    with AsyncCheckpointer(root, config) as ckpt:
+        ckpt.schedule_save({"w": torch.arange(1 << 20, dtype=torch.float32), "step": 5}, step=5, memory_only=True)
+        ckpt.finalize(blocking=True)
+    path = str(here / memory_file_name(root, 0))
+    expected = Expected(str(there), root_key(root), 1, lambda rank: memory_file_name(root, rank))
+    return path, read_copy(path), expected
+
+
+def _server(expected: Expected, secret: bytes, **kw) -> CopyServer:
+    return CopyServer(listener("127.0.0.1"), secret, expected, **kw).start()
+
+
+def test_a_pushed_copy_is_kept_whole_under_its_ranks_name(sealed_copy):
+    path, copy, expected = sealed_copy
+    secret = new_secret()
+    server = _server(expected, secret, put=True, get=False)
+    try:
+        sent = Push(Address(*server.address), secret, path, 0, copy.token, 30.0).run()
+    finally:
+        server.stop()
+    assert sent == os.path.getsize(path)
+    kept = read_copy(expected.path_of(0))
+    assert (kept.step, kept.token) == (5, copy.token)
+    with open(path, "rb") as a, open(expected.path_of(0), "rb") as b:
+        assert a.read() == b.read()
+    assert os.stat(expected.path_of(0)).st_mode & 0o777 == 0o600
+
+
+def test_a_connection_without_the_jobs_secret_is_refused_and_nothing_written(sealed_copy, caplog):
+    path, copy, expected = sealed_copy
+    server = _server(expected, new_secret(), put=True, get=True)
+    try:
+        with caplog.at_level(logging.WARNING, logger="asyncckpt"):
+            with pytest.raises(ReplicaError):
+                Push(Address(*server.address), new_secret(), path, 0, copy.token, 30.0).run()
+            with pytest.raises(ReplicaError):
+                pull(Address(*server.address), new_secret(), expected, 0, copy.token, 30.0)
+    finally:
+        server.stop()
+    assert os.listdir(expected.directory) == []
+    assert "does not know this job's secret" in caplog.text
+
+
+def test_a_damaged_copy_is_not_kept_and_a_damaged_source_is_not_pulled(sealed_copy, tmp_path, caplog):
+    path, copy, expected = sealed_copy
+    item = next(i for i in copy.items if i.length > 1000)
+    with open(path, "r+b") as file:  # one byte of a tensor flipped: header fine, CRC not
+        file.seek(item.at + 100)
+        byte = file.read(1)
+        file.seek(item.at + 100)
+        file.write(bytes([byte[0] ^ 0xFF]))
+    secret = new_secret()
+    server = _server(expected, secret, put=True, get=False)
+    try:
+        with caplog.at_level(logging.WARNING, logger="asyncckpt"), pytest.raises(ReplicaError, match="checksum"):
+            Push(Address(*server.address), secret, path, 0, copy.token, 30.0).run()
+    finally:
+        server.stop()
+    assert os.listdir(expected.directory) == []
+    # the same damaged copy served to a restart: refused on receipt, nothing left here
+    source = Expected(os.path.dirname(path), expected.root, 1, expected.name_of)
+    server = _server(source, secret, put=False, get=True)
+    try:
+        with pytest.raises(ReplicaError, match="checksum"):
+            pull(Address(*server.address), secret, expected, 0, copy.token, 30.0)
+    finally:
+        server.stop()
+    assert os.listdir(expected.directory) == []
+
+
+def test_a_push_cancelled_half_way_leaves_nothing(sealed_copy, monkeypatch):
+    """A newer save begins (or the sender dies) mid-transfer: the receiver keeps nothing."""
+    import asyncckpt.replica_wire as wire
+
+    path, copy, expected = sealed_copy
+    monkeypatch.setattr(wire, "CHUNK", 4096)  # many pieces, so the cancel lands half-way
+    secret = new_secret()
+    server = _server(expected, secret, put=True, get=False)
+    push = Push(Address(*server.address), secret, path, 0, copy.token, 30.0)
+    sent_pieces = threading.Event()
+    real_sendfile = wire.socket.socket.sendfile
+
+    def slow_sendfile(sock, file, offset=0, count=None):
+        if offset > 64 * 4096:
+            sent_pieces.set()
+            time.sleep(0.01)
+        return real_sendfile(sock, file, offset, count)
+
+    monkeypatch.setattr(wire.socket.socket, "sendfile", slow_sendfile)
+    outcome: list = []
+    thread = threading.Thread(target=lambda: outcome.append(_run(push)))
+    thread.start()
+    assert sent_pieces.wait(30)
+    push.cancel()
+    thread.join(30)
+    server.stop()
+    assert outcome and isinstance(outcome[0], ReplicaError) and "cancelled" in str(outcome[0])
+    deadline = time.monotonic() + 10
+    while os.listdir(expected.directory) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert os.listdir(expected.directory) == []
+
+
+def _run(push: Push):
+    try:
+        return push.run()
+    except ReplicaError as exc:
+        return exc
