@@ -95,6 +95,7 @@ bench-incremental: venv
 
 bench-memory-tier: venv
 	$(PY) benchmarks/bench_memory_tier.py --size-mb 1024 --saves 25 --restarts 9 --out bench_out/bench_memory_tier.json
+	$(PY) benchmarks/bench_memory_replicas.py --mb-per-rank 256 --saves 9 --restarts 5 --out bench_out/bench_memory_replicas.json
 
 bench-transformers: venv
 	$(PY) benchmarks/bench_transformers.py --out bench_out/bench_transformers.json

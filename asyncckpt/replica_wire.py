@@ -34,6 +34,7 @@ log = logging.getLogger("asyncckpt")
 NONCE_BYTES = 32
 CHUNK = 8 << 20  # sendfile / receive piece: a cancelled push stops within one
 _LENGTH = struct.Struct("<I")
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 MAX_REQUEST = 1 << 16
 
 
@@ -121,7 +122,7 @@ def _receive_file(sock: socket.socket, path: str, length: int) -> None:
     try:
         if length:
             os.posix_fallocate(fd, 0, length)
-            with mmap.mmap(fd, length) as mapped:
+            with mmap.mmap(fd, length, flags=mmap.MAP_SHARED | _POPULATE) as mapped:  # no fault per page
                 view = memoryview(mapped)
                 try:
                     got = 0
@@ -246,6 +247,8 @@ class CopyServer:
         self.timeout_s = timeout_s
         self.received = 0  # copies kept (put)
         self.served = 0  # bytes handed out (get)
+        self._active = 0  # connections being served
+        self._idle = threading.Condition()
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._accept, name="asyncckpt-replicas", daemon=True)
 
@@ -256,6 +259,11 @@ class CopyServer:
     @property
     def address(self) -> tuple[str, int]:
         return self.sock.getsockname()[:2]
+
+    def drain(self, timeout_s: float) -> bool:
+        """Wait (at most `timeout_s`) until no connection is being served; True if none is."""
+        with self._idle:
+            return self._idle.wait_for(lambda: self._active == 0, timeout_s)
 
     def stop(self) -> None:
         self._stopped.set()
@@ -274,9 +282,19 @@ class CopyServer:
                 if self._stopped.is_set():
                     return
                 continue
+            with self._idle:
+                self._active += 1
             threading.Thread(target=self._serve, args=(conn, peer), name="asyncckpt-replica", daemon=True).start()
 
     def _serve(self, conn: socket.socket, peer: Any) -> None:
+        try:
+            self._serve_one(conn, peer)
+        finally:
+            with self._idle:
+                self._active -= 1
+                self._idle.notify_all()
+
+    def _serve_one(self, conn: socket.socket, peer: Any) -> None:
         with conn:
             conn.settimeout(self.timeout_s)
             try:

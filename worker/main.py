@@ -37,6 +37,7 @@ from .writers import Writers
 log = logging.getLogger("asyncckpt.worker")
 
 PARENT_CHECK_INTERVAL_S = 0.5
+SHUTDOWN_REPLICAS_S = 8.0  # a clean close lets copies to and from peers end this long (the trainer waits 10 s)
 
 
 class ServeLoop:
@@ -59,6 +60,8 @@ class ServeLoop:
                 self._fail(None, "request", f"could not read the save request: {type(exc).__name__}: {exc}")
                 continue
             if isinstance(message, Shutdown):
+                if self.tier is not None and self.tier.replicator is not None:
+                    self.tier.replicator.close(SHUTDOWN_REPLICAS_S)
                 return
             if isinstance(message, SaveRequest):
                 self.handle_save(message)

@@ -67,6 +67,13 @@ class Replicator:
             push.cancel()
         self.finish(2.0)
 
+    def close(self, timeout_s: float) -> bool:
+        """The trainer closes: let the pushes and receptions under way end (at most `timeout_s`
+        in all: peers close at about the same time, and a copy half-received is never kept)."""
+        deadline = time.monotonic() + timeout_s
+        sent = self.finish(timeout_s)
+        return self.server.drain(max(0.0, deadline - time.monotonic())) and sent
+
     def finish(self, timeout_s: float) -> bool:
         """Wait (at most `timeout_s`) for the pushes under way; True when none is left."""
         thread = self._thread

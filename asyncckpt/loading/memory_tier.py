@@ -100,8 +100,11 @@ def restore(
     (save/memory_tier._tier_key); `history`: the root's, as the checkpointer found it; `peers`:
     the other nodes, whose copies of what this node lacks are pulled first (loading/peer_copies.py)."""
     started = time.perf_counter()
-    pulled = fill_from_peers(memory_dir, key or root, group, peers, wait_s, _read_waiting) if peers else ()
-    copies, seen = _look(memory_dir, key or root, group, wait_s)
+    found = fill_from_peers(memory_dir, key or root, group, peers, wait_s, _read_waiting, state_dict) if peers else None
+    if found is not None:  # the copies of the newest save whole across the nodes, as its headers say
+        copies, seen, pulled = found.copies, [_seen(copy) for copy in found.copies], found.pulled
+    else:
+        (copies, seen), pulled = _look(memory_dir, key or root, group, wait_s), ()
     decision = group.broadcast(decide(seen, root, history) if group.is_coordinator else None)
     if not decision.use:
         if decision.warn:
@@ -110,7 +113,8 @@ def restore(
             log.info("memory tier: not restoring from memory: %s; loading from disk", decision.why)
         return MemoryAttempt(drop=decision.drop, newest=decision.newest)
     step = seen[0].step
-    loaded = _load_copy(state_dict, copies, memory_dir, group, trusted, f"the copy of step {step}")
+    verified = found.verified_here(peers.nodes, group.rank) if found is not None and peers is not None else set()
+    loaded = _load_copy(state_dict, copies, memory_dir, group, trusted, f"the copy of step {step}", verified)
     if loaded is not True:
         return MemoryAttempt(touched=any(group.all_gather(loaded == "touched")), newest=decision.newest)
     what = "memory only" if seen[0].memory_only else ("not committed" if decision.persist else "committed too")
@@ -150,20 +154,25 @@ def _look(memory_dir: str, root: str, group: Ranks, wait_s: float) -> tuple[list
     copies: list[MemoryCopy] = []
     try:
         copies = read_copies(memory_dir, root, group.size, time.monotonic() + wait_s)
-        own = copies[group.rank]
-        base = None if own.base_step is None else Base(own.base_step, own.base_token)
-        mine = Seen(own.step, own.token, own.memory_only, root_id=own.root_id, base=base)
+        mine = _seen(copies[group.rank])
     except NotACopy as exc:
         mine = Seen(problem=str(exc))
     return copies, group.all_gather(mine)
 
 
+def _seen(copy: MemoryCopy) -> Seen:
+    base = None if copy.base_step is None else Base(copy.base_step, copy.base_token)
+    return Seen(copy.step, copy.token, copy.memory_only, root_id=copy.root_id, base=base)
+
+
 def _load_copy(state_dict: dict[str, Any], copies: list[MemoryCopy], memory_dir: str, group: Ranks, trusted: bool,
-               what: str) -> bool | str:
+               what: str, verified: frozenset[str] | set[str] = frozenset()) -> bool | str:
     """Load the copies into `state_dict`: True; else (with a WARNING: a checksum mismatch, say)
-    False, or "touched" when the failed load had changed the state already."""
+    False, or "touched" when the failed load had changed the state already. `verified`: files
+    whose every item's CRC32C was checked just now (pulled from a peer), not checked again."""
     try:
         metadata, checksums = rebuild_metadata(copies)
+        checksums = {place: crc for place, crc in checksums.items() if place[0] not in verified}
         reader = MemoryReader(memory_dir, metadata, checksums, trusted)
         load(state_dict, memory_dir, trusted=trusted, process_group=group.pg, no_dist=group.size == 1,
              storage_reader=reader)

@@ -1,27 +1,36 @@
 """A restart's copies from other nodes (CheckpointConfig(memory_replicas=R)): before the memory
 tier decides (loading/memory_tier.py), every rank lists the complete copies its node's
 `memory_dir` holds, the ranks gather the lists (one all_gather, no per-tensor traffic) and choose
-the newest save for which every rank's copy is on some node; each node then pulls the copies of
-that save it lacks, split among its ranks, from the ranks of nodes that hold them (each rank
-serves its node's files meanwhile; replica_wire.py has the wire). Then the tier decides from the
-files as on one node: the same history rule, the same checks, the disk when anything is missing.
-
-A node that lacks a copy pulls it whole, so a restored node's `memory_dir` holds every rank's
-copy of the save, as one node's does (pulling only the items its ranks read is a later step).
+the newest save for which every rank's copy is on some node. The headers of that save's copies
+(one per rank, from a node that holds it) are gathered next: from them and its own state's keys
+each rank knows which copies its load reads (its own; another rank's where that one saved an
+entry this rank holds and did not save itself, as a replicated tensor saved once). Each node pulls
+those it lacks, split among its ranks, from the ranks of nodes that hold them (each rank serves
+its node's files meanwhile; replica_wire.py has the wire, and checks every item's CRC32C on
+receipt, so the load does not check those files again). The tier then decides from the gathered
+headers as on one node: the same history rule; the disk when anything is missing.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Hashable, Optional
 
-from ..memory_file import NotACopy, memory_file_name, root_key
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+from ..memory_file import MemoryCopy, NotACopy, memory_file_name, root_key
 from ..replica_wire import Address, CopyServer, Expected, ReplicaError, listener, pull
+from .completeness import expand_statefuls
+from .memory_plan import rebuild_metadata
 
 log = logging.getLogger("asyncckpt")
+
+PULLS_AT_ONCE = 4  # copies one rank pulls at a time (each from its own holder, when it can)
 
 
 @dataclass(frozen=True)
@@ -47,10 +56,23 @@ class PulledCopy:
 SaveKey = tuple  # (step, token, root_id, base): what makes two ranks' copies one save
 
 
-def fill_from_peers(memory_dir: str, key: str, group: Any, peers: Peers, wait_s: float,
-                    read: Any) -> tuple[PulledCopy, ...]:
-    """Pull into this node's `memory_dir` the copies of the newest save that every rank's copy
-    exists of somewhere and this node lacks (see the module's docstring); what every rank pulled.
+@dataclass(frozen=True)
+class PeerCopies:
+    """The save every rank's copy of exists of somewhere, its copies (rank order, as this node's
+    files: those its load reads are here), and what was pulled (by every rank)."""
+
+    copies: list[MemoryCopy]
+    pulled: tuple[PulledCopy, ...]
+
+    def verified_here(self, nodes: tuple, me: int) -> set[str]:
+        """The files this rank's node pulled (each checked whole on receipt)."""
+        return {os.path.basename(self.copies[c.rank].path) for c in self.pulled if nodes[c.into] == nodes[me]}
+
+
+def fill_from_peers(memory_dir: str, key: str, group: Any, peers: Peers, wait_s: float, read: Any,
+                    state_dict: dict[str, Any]) -> Optional[PeerCopies]:
+    """Pull into this node's `memory_dir` the copies its ranks read of the newest save that every
+    rank's copy exists of somewhere (see the module's docstring); None when there is no such save.
     `read(path, deadline)`: a copy read as the tier reads it (waiting while its worker seals it)."""
     root = root_key(key)
     expected = Expected(memory_dir, root, group.size, lambda rank: memory_file_name(key, rank))
@@ -60,11 +82,18 @@ def fill_from_peers(memory_dir: str, key: str, group: Any, peers: Peers, wait_s:
     try:
         seen = group.all_gather((held, server.address))
         wanted = _newest_whole(seen, group.size)
+        if wanted is None:
+            return None
+        headers = group.all_gather({rank: copy for rank, copy in held.items()
+                                    if _designated(seen, rank, wanted) == group.rank})
+        copies = [dataclasses.replace(next(h[rank] for h in headers if rank in h), path=expected.path_of(rank))
+                  for rank in range(group.size)]
+        needs = group.all_gather(sorted(_reads(copies, group.rank, state_dict)))
         pulled: list[PulledCopy] = []
         problems: list[str] = []
-        if wanted is not None:
-            for rank in _my_share(seen, peers.nodes, group.rank, wanted):
-                done = _pull_one(rank, wanted, seen, peers, expected, group.rank)
+        share = _my_share(seen, peers.nodes, group.rank, wanted, needs)
+        with ThreadPoolExecutor(max_workers=max(1, min(len(share), PULLS_AT_ONCE))) as pool:  # the sources differ
+            for done in pool.map(lambda rank: _pull_one(rank, wanted, seen, peers, expected, group.rank), share):
                 (pulled if isinstance(done, PulledCopy) else problems).append(done)
         everyone = group.all_gather((pulled, problems))  # also: every server stays up until all are done
     finally:
@@ -75,11 +104,11 @@ def fill_from_peers(memory_dir: str, key: str, group: Any, peers: Peers, wait_s:
     if result and group.is_coordinator:
         log.info("memory tier: pulled %d copies of step %s from other nodes (%.1f MiB)", len(result), wanted[0],
                  sum(c.nbytes for c in result) / 2**20)
-    return result
+    return PeerCopies(copies, result)
 
 
-def _inventory(expected: Expected, world_size: int, deadline: float, read: Any) -> dict[int, SaveKey]:
-    """rank -> the save its complete copy in this node's directory holds (this tier's, this world size)."""
+def _inventory(expected: Expected, world_size: int, deadline: float, read: Any) -> dict[int, MemoryCopy]:
+    """rank -> its complete copy in this node's directory (this tier's, this world size)."""
     held = {}
     for rank in range(world_size):
         path = expected.path_of(rank)
@@ -90,30 +119,57 @@ def _inventory(expected: Expected, world_size: int, deadline: float, read: Any) 
         except NotACopy:
             continue
         if copy.root == expected.root and copy.rank == rank and copy.world_size == world_size:
-            held[rank] = (copy.step, copy.token, copy.root_id, copy.base_step, copy.base_token)
+            held[rank] = copy
     return held
 
 
-def _newest_whole(seen: list[tuple[dict[int, SaveKey], Any]], world_size: int) -> Optional[SaveKey]:
+def _save(copy: MemoryCopy) -> SaveKey:
+    return (copy.step, copy.token, copy.root_id, copy.base_step, copy.base_token)
+
+
+def _newest_whole(seen: list[tuple[dict[int, MemoryCopy], Any]], world_size: int) -> Optional[SaveKey]:
     """The newest save whose every rank's copy some node holds; None if there is none."""
     covered: dict[SaveKey, set[int]] = {}
     for held, _ in seen:
-        for rank, save in held.items():
-            covered.setdefault(save, set()).add(rank)
+        for rank, copy in held.items():
+            covered.setdefault(_save(copy), set()).add(rank)
     whole = [save for save, ranks in covered.items() if len(ranks) == world_size]
     return max(whole, key=lambda save: save[0]) if whole else None
 
 
-def _my_share(seen: list[tuple[dict[int, SaveKey], Any]], nodes: tuple, me: int, wanted: SaveKey) -> list[int]:
-    """The copies of `wanted` this node lacks, split among its ranks: this rank's part."""
+def _designated(seen: list, rank: int, wanted: SaveKey) -> int:
+    """The rank that sends the header of `rank`'s copy of `wanted`: the first that holds one."""
+    return next(q for q, (held, _) in enumerate(seen) if rank in held and _save(held[rank]) == wanted)
+
+
+def _reads(copies: list[MemoryCopy], me: int, state_dict: dict[str, Any]) -> set[int]:
+    """The ranks whose copies this rank's load reads: its own, and any other that saved an entry
+    this rank's state holds and its own copy lacks (a replicated tensor or object saved once).
+    The same world size and layout as the save (else the disk): a sharded entry this rank saved a
+    piece of is read from its own copy. Every copy when the state cannot be listed."""
+    try:
+        keys = set(flatten_state_dict(expand_statefuls(state_dict))[0])
+        metadata, _ = rebuild_metadata(copies)
+    except Exception:
+        return set(range(len(copies)))
+    names = {os.path.basename(copy.path): rank for rank, copy in enumerate(copies)}
+    own_name = os.path.basename(copies[me].path)
+    own = {index.fqn for index, info in metadata.storage_data.items() if info.relative_path == own_name}
+    return {me} | {names[info.relative_path] for index, info in metadata.storage_data.items()
+                   if index.fqn in keys and index.fqn not in own}
+
+
+def _my_share(seen: list, nodes: tuple, me: int, wanted: SaveKey, needs: list[list[int]]) -> list[int]:
+    """The copies of `wanted` the ranks of this node read and it lacks, split among them: this rank's part."""
     mine = [rank for rank, node in enumerate(nodes) if node == nodes[me]]
-    here = {rank for q in mine for rank, save in seen[q][0].items() if save == wanted}
-    lacking = [rank for rank in range(len(nodes)) if rank not in here]
+    here = {rank for q in mine for rank, copy in seen[q][0].items() if _save(copy) == wanted}
+    lacking = sorted({rank for q in mine for rank in needs[q]} - here)
     return lacking[mine.index(me)::len(mine)]
 
 
 def _pull_one(rank: int, wanted: SaveKey, seen: list, peers: Peers, expected: Expected, me: int) -> PulledCopy | str:
-    holders = [q for q, (held, _) in enumerate(seen) if held.get(rank) == wanted and peers.nodes[q] != peers.nodes[me]]
+    holders = [q for q, (held, _) in enumerate(seen)
+               if rank in held and _save(held[rank]) == wanted and peers.nodes[q] != peers.nodes[me]]
     holders = holders[rank % len(holders):] + holders[:rank % len(holders)] if holders else []  # spread the load
     reasons = []
     for q in holders:

@@ -17,7 +17,7 @@ LAYERS = (
     ("asyncckpt.errors", "asyncckpt.protocol", "asyncckpt.config", "asyncckpt.report", "asyncckpt.train_state",
      "asyncckpt.command"),
     ("asyncckpt.storage",),
-    ("asyncckpt.layout", "asyncckpt.formats", "asyncckpt.memory_file"),
+    ("asyncckpt.layout", "asyncckpt.formats", "asyncckpt.memory_file", "asyncckpt.replica_wire"),
     ("asyncckpt.loading",),
     ("asyncckpt.save",),
     ("asyncckpt.doors",),
@@ -27,7 +27,7 @@ LAYERS = (
 )
 # what the worker process may load of the library (the rest is the trainer's side)
 WORKER_MAY_IMPORT = ("asyncckpt", "asyncckpt.errors", "asyncckpt.protocol", "asyncckpt.formats", "asyncckpt.layout",
-                     "asyncckpt.storage", "asyncckpt.memory_file")
+                     "asyncckpt.storage", "asyncckpt.memory_file", "asyncckpt.replica_wire")
 MAX_LINES = 400
 
 

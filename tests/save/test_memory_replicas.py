@@ -84,6 +84,7 @@ def _four_ranks_two_nodes(rank: int, world: int, root: str, shm: str) -> None:
             ckpt.finalize(blocking=True)
         for target in replica_targets(nodes, rank, 1):  # the copy of step 3 reached the other node
             wait_for_copy(os.path.join(shm, f"node{node_of(target)}", memory_file_name(root, rank)), 3)
+        dist.barrier()
     assert [c.step for c in list_checkpoints(root)] == [1]
 
     _lose_nodes(rank, shm, [1])  # node 1 lost and replaced: its tier is empty
@@ -91,7 +92,10 @@ def _four_ranks_two_nodes(rank: int, world: int, root: str, shm: str) -> None:
     assert (step, report.source) == (3, "peer"), report
     assert_state_equal(target, rank_state(rank, 3))
     pulled = sorted((c.rank, c.into, c.node) for c in report.pulled)
-    assert [(r, node_of(into), node) for r, into, node in pulled] == [(r, 1, 0) for r in range(4)], pulled
+    # node 1 pulled what its ranks read (their own copies, and the one that holds the entries saved
+    # once), each copy once, from node 0
+    assert {r for r, _, _ in pulled} >= {2, 3} and len(pulled) == len({r for r, _, _ in pulled}), pulled
+    assert all(node_of(into) == 1 and node == 0 for _, into, node in pulled), pulled
     assert all(c.nbytes > 0 for c in report.pulled)
     assert [c.step for c in list_checkpoints(root)] == [1]  # nothing read from nor written to the disk meanwhile
 
