@@ -19,6 +19,8 @@ from asyncckpt.replica_wire import Address, CopyServer, Expected, Push, ReplicaE
 
 log = logging.getLogger("asyncckpt.worker")
 
+ABANDON_WAIT_S = 0.2
+
 
 class Replicator:
     def __init__(self, settings: MemoryTier, rank: int) -> None:
@@ -62,10 +64,12 @@ class Replicator:
                       time.perf_counter() - started)
 
     def abandon(self) -> None:
-        """A newer save begins: stop sending the older copy (its bytes are about to change)."""
+        """A newer save begins: stop sending the older copy (its bytes are about to change). Not
+        awaited beyond a moment: a cancelled push sends no further piece, its socket is shut (a
+        send under way breaks off), and a receiver never keeps a copy whose CRCs do not match."""
         for push in self._pushes:
             push.cancel()
-        self.finish(2.0)
+        self.finish(ABANDON_WAIT_S)
 
     def close(self, timeout_s: float) -> bool:
         """The trainer closes: let the pushes and receptions under way end (at most `timeout_s`
