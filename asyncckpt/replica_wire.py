@@ -42,6 +42,10 @@ class ReplicaError(Exception):
     """A push or pull that did not happen; the message says why."""
 
 
+class Truncated(ReplicaError):
+    """A copy whose sender stopped before its last byte (cancelled by a newer save, or gone)."""
+
+
 @dataclass(frozen=True)
 class Address:
     host: str
@@ -129,7 +133,7 @@ def _receive_file(sock: socket.socket, path: str, length: int) -> None:
                     while got < length:
                         n = sock.recv_into(view[got:got + CHUNK])
                         if n == 0:
-                            raise ReplicaError(f"the peer closed the connection after {got} of {length} bytes")
+                            raise Truncated(f"the sender stopped after {got} of {length} bytes")
                         got += n
                 finally:
                     view.release()
@@ -324,7 +328,10 @@ class CopyServer:
         except (OSError, ReplicaError, ValueError, KeyError) as exc:
             if os.path.exists(tmp):
                 os.unlink(tmp)
-            log.warning("memory tier: the copy of rank %s from %s was not kept: %s", rank, peer, exc)
+            if isinstance(exc, Truncated):  # a newer save cancelled it, or its sender died: the next one counts
+                log.info("memory tier: the copy of rank %s from %s was not kept: %s", rank, peer, exc)
+            else:
+                log.warning("memory tier: the copy of rank %s from %s was not kept: %s", rank, peer, exc)
             try:
                 _send_message(conn, {"error": str(exc)})
             except OSError:
