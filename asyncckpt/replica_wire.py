@@ -27,7 +27,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from .memory_file import MemoryCopy, NotACopy, read_copy, verify_copy
+from .formats import crc32c
+from .memory_file import MemoryCopy, NotACopy, StoredItem, read_copy, verify_copy
 
 log = logging.getLogger("asyncckpt")
 
@@ -35,7 +36,7 @@ NONCE_BYTES = 32
 CHUNK = 8 << 20  # sendfile / receive piece: a cancelled push stops within one
 _LENGTH = struct.Struct("<I")
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
-MAX_REQUEST = 1 << 16
+MAX_REQUEST = 16 << 20  # a request naming the items of a large copy
 
 
 class ReplicaError(Exception):
@@ -237,6 +238,53 @@ def pull(address: Address, secret: bytes, expected: Expected, rank: int, token: 
     return length
 
 
+def pull_items(address: Address, secret: bytes, rank: int, token: str, items: list[StoredItem], into: str,
+               timeout_s: float) -> int:
+    """Fetch only `items` of rank `rank`'s copy of save `token` (a restart that reads a few entries
+    of another rank's copy) into a new private file `into`, each at its offset (holes elsewhere),
+    every item's CRC32C checked; bytes received. ReplicaError (and no file) when it could not."""
+    request = {"op": "get", "rank": rank, "token": token, "ranges": [[item.at, item.length] for item in items]}
+    try:
+        sock = _connect(address, secret, request, timeout_s)
+    except OSError as exc:
+        raise ReplicaError(f"cannot reach {address}: {exc}") from None
+    try:
+        reply = _receive_message(sock)
+        if "error" in reply:
+            raise ReplicaError(f"{address}: {reply['error']}")
+        size = int(reply["size"])
+        fd = os.open(into, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            for item in items:
+                if item.length:
+                    os.posix_fallocate(fd, item.at, item.length)  # room for what is received, no more
+            with mmap.mmap(fd, size) as mapped:
+                view = memoryview(mapped)
+                try:
+                    for item in items:
+                        got = 0
+                        while got < item.length:
+                            n = sock.recv_into(view[item.at + got:item.at + item.length])
+                            if n == 0:
+                                raise Truncated(f"the sender stopped inside the item at {item.at}")
+                            got += n
+                    for item in items:
+                        if item.length and crc32c(view[item.at:item.at + item.length]) != item.crc32:
+                            raise ReplicaError(f"the item at {item.at} of rank {rank}'s copy: checksum mismatch")
+                finally:
+                    view.release()
+        finally:
+            os.close(fd)
+    except (OSError, ValueError, KeyError, ReplicaError) as exc:
+        if os.path.exists(into):
+            os.unlink(into)
+        raise exc if isinstance(exc, ReplicaError) else ReplicaError(f"{address}: {exc}") from None
+    finally:
+        sock.close()
+    return sum(item.length for item in items)
+
+
 # the server -------------------------------------------------------------------------------------
 
 class CopyServer:
@@ -316,7 +364,7 @@ class CopyServer:
                 if op == "put":
                     self._keep(conn, peer, rank, request)
                 else:
-                    self._hand_out(conn, rank, str(request.get("token")))
+                    self._hand_out(conn, rank, str(request.get("token")), request.get("ranges"))
             except (OSError, ReplicaError, ValueError) as exc:
                 log.debug("memory tier: a connection from %s ended: %s", peer, exc)
 
@@ -341,7 +389,8 @@ class CopyServer:
         log.debug("memory tier: kept rank %d's copy of step %d from %s", rank, copy.step, peer)
         _send_message(conn, {"ok": True})
 
-    def _hand_out(self, conn: socket.socket, rank: int, token: str) -> None:
+    def _hand_out(self, conn: socket.socket, rank: int, token: str, ranges: Any = None) -> None:
+        """Send rank `rank`'s copy of save `token`: whole, or only `ranges` ([offset, length], in order)."""
         path = self.expected.path_of(rank)
         try:
             copy = read_copy(path)
@@ -352,7 +401,16 @@ class CopyServer:
             _send_message(conn, {"error": f"no copy of rank {rank}'s save {token[:8]} here ({exc})"})
             return
         with file:
-            length = os.fstat(file.fileno()).st_size
-            _send_message(conn, {"length": length})
-            conn.sendfile(file, 0, length)
-        self.served += length
+            size = os.fstat(file.fileno()).st_size
+            try:
+                pieces = [(0, size)] if ranges is None else [(int(at), int(n)) for at, n in ranges]
+            except (TypeError, ValueError):
+                pieces = [(-1, 0)]
+            if any(at < 0 or n < 0 or at + n > size for at, n in pieces):
+                _send_message(conn, {"error": "a range outside the copy"})
+                return
+            _send_message(conn, {"length": sum(n for _, n in pieces), "size": size})
+            for at, n in pieces:
+                if n:
+                    conn.sendfile(file, at, n)
+        self.served += sum(n for _, n in pieces)

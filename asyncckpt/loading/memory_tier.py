@@ -101,10 +101,19 @@ def restore(
     the other nodes, whose copies of what this node lacks are pulled first (loading/peer_copies.py)."""
     started = time.perf_counter()
     found = fill_from_peers(memory_dir, key or root, group, peers, wait_s, _read_waiting, state_dict) if peers else None
-    if found is not None:  # the copies of the newest save whole across the nodes, as its headers say
-        copies, seen, pulled = found.copies, [_seen(copy) for copy in found.copies], found.pulled
-    else:
-        (copies, seen), pulled = _look(memory_dir, key or root, group, wait_s), ()
+    if found is None:
+        copies, seen = _look(memory_dir, key or root, group, wait_s)
+        return _decide_and_load(state_dict, root, memory_dir, group, trusted, history, copies, seen, started)
+    try:  # the copies of the newest save whole across the nodes, as their headers say
+        return _decide_and_load(state_dict, root, memory_dir, group, trusted, history, found.copies,
+                                [_seen(copy) for copy in found.copies], started, found.pulled, found.verified)
+    finally:
+        found.remove_partial(group)
+
+
+def _decide_and_load(state_dict: dict[str, Any], root: str, memory_dir: str, group: Ranks, trusted: bool,
+                     history: Optional[RootHistory], copies: list[MemoryCopy], seen: list[Seen], started: float,
+                     pulled: tuple = (), verified: frozenset[str] = frozenset()) -> MemoryAttempt:
     decision = group.broadcast(decide(seen, root, history) if group.is_coordinator else None)
     if not decision.use:
         if decision.warn:
@@ -113,7 +122,6 @@ def restore(
             log.info("memory tier: not restoring from memory: %s; loading from disk", decision.why)
         return MemoryAttempt(drop=decision.drop, newest=decision.newest)
     step = seen[0].step
-    verified = found.verified_here(peers.nodes, group.rank) if found is not None and peers is not None else set()
     loaded = _load_copy(state_dict, copies, memory_dir, group, trusted, f"the copy of step {step}", verified)
     if loaded is not True:
         return MemoryAttempt(touched=any(group.all_gather(loaded == "touched")), newest=decision.newest)

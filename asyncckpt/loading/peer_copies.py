@@ -23,8 +23,8 @@ from typing import Any, Hashable, Optional
 
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
-from ..memory_file import MemoryCopy, NotACopy, memory_file_name, root_key
-from ..replica_wire import Address, CopyServer, Expected, ReplicaError, listener, pull
+from ..memory_file import MemoryCopy, NotACopy, StoredItem, memory_file_name, root_key
+from ..replica_wire import Address, CopyServer, Expected, ReplicaError, listener, pull, pull_items
 from .completeness import expand_statefuls
 from .memory_plan import rebuild_metadata
 
@@ -51,6 +51,8 @@ class PulledCopy:
     into: int  # the rank that pulled it (its node keeps it)
     node: Any  # the node that served it
     nbytes: int
+    path: str  # where it is on the node that pulled it
+    whole: bool = True  # False: only the items that node's ranks read (a file removed after the restart)
 
 
 SaveKey = tuple  # (step, token, root_id, base): what makes two ranks' copies one save
@@ -63,10 +65,17 @@ class PeerCopies:
 
     copies: list[MemoryCopy]
     pulled: tuple[PulledCopy, ...]
+    verified: frozenset[str]  # the files this node pulled: every item received was CRC-checked on receipt
+    partial: tuple[str, ...]  # the files of items this rank pulled: removed once every rank has loaded
 
-    def verified_here(self, nodes: tuple, me: int) -> set[str]:
-        """The files this rank's node pulled (each checked whole on receipt)."""
-        return {os.path.basename(self.copies[c.rank].path) for c in self.pulled if nodes[c.into] == nodes[me]}
+    def remove_partial(self, group: Any) -> None:
+        """After the restore: remove the files of items this rank pulled (once every rank is done)."""
+        group.all_gather(None)
+        for path in self.partial:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
 
 
 def fill_from_peers(memory_dir: str, key: str, group: Any, peers: Peers, wait_s: float, read: Any,
@@ -88,12 +97,18 @@ def fill_from_peers(memory_dir: str, key: str, group: Any, peers: Peers, wait_s:
                                     if _designated(seen, rank, wanted) == group.rank})
         copies = [dataclasses.replace(next(h[rank] for h in headers if rank in h), path=expected.path_of(rank))
                   for rank in range(group.size)]
-        needs = group.all_gather(sorted(_reads(copies, group.rank, state_dict)))
+        needs = group.all_gather(_reads(copies, group.rank, state_dict))
         pulled: list[PulledCopy] = []
         problems: list[str] = []
         share = _my_share(seen, peers.nodes, group.rank, wanted, needs)
+
+        def pull_one(part: tuple[int, Optional[list[int]]]) -> PulledCopy | str:
+            rank, items = part
+            return _pull_one(rank, None if items is None else [copies[rank].items[i] for i in items], wanted, seen,
+                             peers, expected, group.rank)
+
         with ThreadPoolExecutor(max_workers=max(1, min(len(share), PULLS_AT_ONCE))) as pool:  # the sources differ
-            for done in pool.map(lambda rank: _pull_one(rank, wanted, seen, peers, expected, group.rank), share):
+            for done in pool.map(pull_one, share):
                 (pulled if isinstance(done, PulledCopy) else problems).append(done)
         everyone = group.all_gather((pulled, problems))  # also: every server stays up until all are done
     finally:
@@ -102,9 +117,14 @@ def fill_from_peers(memory_dir: str, key: str, group: Any, peers: Peers, wait_s:
         log.warning("memory tier: %s", problem)
     result = tuple(copy for pulled, _ in everyone for copy in pulled)
     if result and group.is_coordinator:
-        log.info("memory tier: pulled %d copies of step %s from other nodes (%.1f MiB)", len(result), wanted[0],
-                 sum(c.nbytes for c in result) / 2**20)
-    return PeerCopies(copies, result)
+        log.info("memory tier: pulled %d copies of step %s from other nodes, %d whole (%.1f MiB)", len(result),
+                 wanted[0], sum(c.whole for c in result), sum(c.nbytes for c in result) / 2**20)
+    here = [c for c in result if peers.nodes[c.into] == peers.nodes[group.rank]]
+    for c in here:  # this node's file of that rank's copy: the items pulled, where only those were
+        if not c.whole:
+            copies[c.rank] = dataclasses.replace(copies[c.rank], path=c.path)
+    return PeerCopies(copies, result, frozenset(os.path.basename(c.path) for c in here),
+                      tuple(c.path for c in here if not c.whole and c.into == group.rank))
 
 
 def _inventory(expected: Expected, world_size: int, deadline: float, read: Any) -> dict[int, MemoryCopy]:
@@ -142,42 +162,70 @@ def _designated(seen: list, rank: int, wanted: SaveKey) -> int:
     return next(q for q, (held, _) in enumerate(seen) if rank in held and _save(held[rank]) == wanted)
 
 
-def _reads(copies: list[MemoryCopy], me: int, state_dict: dict[str, Any]) -> set[int]:
-    """The ranks whose copies this rank's load reads: its own, and any other that saved an entry
-    this rank's state holds and its own copy lacks (a replicated tensor or object saved once).
-    The same world size and layout as the save (else the disk): a sharded entry this rank saved a
-    piece of is read from its own copy. Every copy when the state cannot be listed."""
+def _reads(copies: list[MemoryCopy], me: int, state_dict: dict[str, Any]) -> dict[int, Optional[list[int]]]:
+    """What this rank's load reads of each copy: its own whole (None), and of another rank's the
+    items of entries this rank's state holds and its own copy lacks (a replicated tensor or object
+    saved once), by their index in that copy; whole where that is most of it. The same world size
+    and layout as the save (else the disk): a sharded entry this rank saved a piece of is read from
+    its own copy. Every copy whole when the state cannot be listed."""
     try:
         keys = set(flatten_state_dict(expand_statefuls(state_dict))[0])
         metadata, _ = rebuild_metadata(copies)
     except Exception:
-        return set(range(len(copies)))
+        return {rank: None for rank in range(len(copies))}
     names = {os.path.basename(copy.path): rank for rank, copy in enumerate(copies)}
     own_name = os.path.basename(copies[me].path)
     own = {index.fqn for index, info in metadata.storage_data.items() if info.relative_path == own_name}
-    return {me} | {names[info.relative_path] for index, info in metadata.storage_data.items()
-                   if index.fqn in keys and index.fqn not in own}
+    places = [{item.at: n for n, item in enumerate(copy.items)} for copy in copies]
+    wanted: dict[int, set[int]] = {}
+    for index, info in metadata.storage_data.items():
+        rank = names[info.relative_path]
+        if rank != me and index.fqn in keys and index.fqn not in own:
+            wanted.setdefault(rank, set()).add(places[rank][info.offset])
+    reads: dict[int, Optional[list[int]]] = {me: None}
+    for rank, items in wanted.items():
+        total = sum(item.length for item in copies[rank].items)
+        part = sum(copies[rank].items[n].length for n in items)
+        reads[rank] = None if part * 2 >= total else sorted(items)
+    return reads
 
 
-def _my_share(seen: list, nodes: tuple, me: int, wanted: SaveKey, needs: list[list[int]]) -> list[int]:
-    """The copies of `wanted` the ranks of this node read and it lacks, split among them: this rank's part."""
+def _my_share(seen: list, nodes: tuple, me: int, wanted: SaveKey,
+              needs: list[dict[int, Optional[list[int]]]]) -> list[tuple[int, Optional[list[int]]]]:
+    """What the ranks of this node read of the copies of `wanted` it lacks (whole, None, or item
+    indices: the union of theirs), split among them: this rank's part."""
     mine = [rank for rank, node in enumerate(nodes) if node == nodes[me]]
     here = {rank for q in mine for rank, copy in seen[q][0].items() if _save(copy) == wanted}
-    lacking = sorted({rank for q in mine for rank in needs[q]} - here)
-    return lacking[mine.index(me)::len(mine)]
+    merged: dict[int, Optional[set[int]]] = {}
+    for q in mine:
+        for rank, items in needs[q].items():
+            if rank in here:
+                continue
+            if items is None or (rank in merged and merged[rank] is None):
+                merged[rank] = None
+            else:
+                merged[rank] = (merged.get(rank) or set()) | set(items)
+    parts = [(rank, None if items is None else sorted(items)) for rank, items in sorted(merged.items())]
+    return parts[mine.index(me)::len(mine)]
 
 
-def _pull_one(rank: int, wanted: SaveKey, seen: list, peers: Peers, expected: Expected, me: int) -> PulledCopy | str:
+def _pull_one(rank: int, items: Optional[list[StoredItem]], wanted: SaveKey, seen: list, peers: Peers,
+              expected: Expected, me: int) -> PulledCopy | str:
+    """Pull rank `rank`'s copy of `wanted` (whole, or only `items`) from a rank of another node
+    that holds it, trying the next holder when one fails; the PulledCopy, or why not."""
     holders = [q for q, (held, _) in enumerate(seen)
                if rank in held and _save(held[rank]) == wanted and peers.nodes[q] != peers.nodes[me]]
     holders = holders[rank % len(holders):] + holders[:rank % len(holders)] if holders else []  # spread the load
     reasons = []
     for q in holders:
-        host, port = seen[q][1]
+        address = Address(*seen[q][1])
         try:
-            nbytes = pull(Address(host, port), peers.secret, expected, rank, wanted[1], peers.timeout_s)
+            if items is None:
+                nbytes = pull(address, peers.secret, expected, rank, wanted[1], peers.timeout_s)
+                return PulledCopy(rank, me, peers.nodes[q], nbytes, expected.path_of(rank))
+            path = os.path.join(expected.directory, f".{expected.name_of(rank)}.items-{wanted[1][:12]}-{me}")
+            nbytes = pull_items(address, peers.secret, rank, wanted[1], items, path, peers.timeout_s)
+            return PulledCopy(rank, me, peers.nodes[q], nbytes, path, whole=False)
         except ReplicaError as exc:
             reasons.append(f"from rank {q}: {exc}")
-            continue
-        return PulledCopy(rank, me, peers.nodes[q], nbytes)
     return f"rank {me} could not pull rank {rank}'s copy of step {wanted[0]}: {'; '.join(reasons) or 'no holder'}"

@@ -32,7 +32,7 @@ def node_of(rank: int) -> int:
 def rank_state(rank: int, step: int) -> dict:
     """A state of rank-own tensors and tensors every rank holds (saved once, by one rank: a
     restart reads them from another rank's copy)."""
-    return {f"own{rank}": torch.arange(4096, dtype=torch.float32) * (rank + 1) + step,
+    return {f"own{rank}": torch.arange(1 << 18, dtype=torch.float32) * (rank + 1) + step,
             "shared": {"w": torch.arange(2048, dtype=torch.float64) + step, "b": torch.full((7,), float(step))},
             "step": step}
 
@@ -91,11 +91,13 @@ def _four_ranks_two_nodes(rank: int, world: int, root: str, shm: str) -> None:
     step, report, target = _restart(rank, root, shm, 1)
     assert (step, report.source) == (3, "peer"), report
     assert_state_equal(target, rank_state(rank, 3))
-    pulled = sorted((c.rank, c.into, c.node) for c in report.pulled)
-    # node 1 pulled what its ranks read (their own copies, and the one that holds the entries saved
-    # once), each copy once, from node 0
-    assert {r for r, _, _ in pulled} >= {2, 3} and len(pulled) == len({r for r, _, _ in pulled}), pulled
-    assert all(node_of(into) == 1 and node == 0 for _, into, node in pulled), pulled
+    # node 1 pulled, from node 0, what its ranks read: their own copies whole, and of the others only
+    # the entries saved once by another rank (the "shared" ones), each once; then removed those
+    pulled = sorted((c.rank, c.whole, c.nbytes, node_of(c.into), c.node) for c in report.pulled)
+    assert [r for r, whole, *_ in pulled if whole] == [2, 3], pulled
+    assert all(nbytes < 64 << 10 for _, whole, nbytes, *_ in pulled if not whole), pulled
+    assert len({r for r, *_ in pulled}) == len(pulled) and all(at == 1 and by == 0 for *_, at, by in pulled), pulled
+    assert not [n for n in os.listdir(os.path.join(shm, "node1")) if n.startswith(".")]
     assert all(c.nbytes > 0 for c in report.pulled)
     assert [c.step for c in list_checkpoints(root)] == [1]  # nothing read from nor written to the disk meanwhile
 
