@@ -155,12 +155,15 @@ def run(rank: int, args: argparse.Namespace, store: str, work: str, out: str) ->
         with AsyncCheckpointer(disk_root, CheckpointConfig()) as ckpt:
             ckpt.schedule_save(state, step=7)
         target = rank_state(rank, nbytes, -1)
+        node1, kept = os.path.join(shm, "node1"), os.path.join(shm, "node1-as-saved")
+        if rank == 2:
+            shutil.copytree(node1, kept)  # node 1 as the saves left it: its ranks' copies and node 0's
         for n in range(args.restarts):
             for row in ("local", "lost node", "disk"):
                 dist.barrier()
-                if row == "lost node" and rank == 2:
-                    shutil.rmtree(os.path.join(shm, "node1"))
-                    os.mkdir(os.path.join(shm, "node1"))
+                if rank == 2 and row != "disk":  # lost: wiped; local: as saved (a restart from peers keeps
+                    shutil.rmtree(node1)         # only the items it read of the other node's copies)
+                    shutil.copytree(kept, node1) if row == "local" else os.mkdir(node1)
                 if row == "disk":
                     drop_cache(disk_root)
                 dist.barrier()
