@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from .formats import crc32c
-from .memory_file import MemoryCopy, NotACopy, StoredItem, read_copy, verify_copy
+from .memory_file import MemoryCopy, NotACopy, StoredItem, verify_copy
 
 log = logging.getLogger("asyncckpt")
 
@@ -83,12 +83,12 @@ def listener(host: str) -> socket.socket:
 
 # the two ends of a connection -------------------------------------------------------------------
 
-def _send_message(sock: socket.socket, obj: dict[str, Any]) -> None:
+def send_message(sock: socket.socket, obj: dict[str, Any]) -> None:
     raw = json.dumps(obj).encode()
     sock.sendall(_LENGTH.pack(len(raw)) + raw)
 
 
-def _receive_exactly(sock: socket.socket, n: int) -> bytes:
+def receive_exactly(sock: socket.socket, n: int) -> bytes:
     data = bytearray()
     while len(data) < n:
         piece = sock.recv(n - len(data))
@@ -98,11 +98,11 @@ def _receive_exactly(sock: socket.socket, n: int) -> bytes:
     return bytes(data)
 
 
-def _receive_message(sock: socket.socket) -> dict[str, Any]:
-    (length,) = _LENGTH.unpack(_receive_exactly(sock, _LENGTH.size))
+def receive_message(sock: socket.socket) -> dict[str, Any]:
+    (length,) = _LENGTH.unpack(receive_exactly(sock, _LENGTH.size))
     if length > MAX_REQUEST:
         raise ReplicaError(f"a message of {length} bytes is too long")
-    value = json.loads(_receive_exactly(sock, length))
+    value = json.loads(receive_exactly(sock, length))
     if not isinstance(value, dict):
         raise ReplicaError("a message that is not a JSON object")
     return value
@@ -111,7 +111,7 @@ def _receive_message(sock: socket.socket) -> dict[str, Any]:
 def _connect(address: Address, secret: bytes, request: dict[str, Any], timeout_s: float) -> socket.socket:
     sock = socket.create_connection((address.host, address.port), timeout=timeout_s)
     try:
-        nonce = _receive_exactly(sock, NONCE_BYTES)
+        nonce = receive_exactly(sock, NONCE_BYTES)
         raw = json.dumps(request).encode()
         sock.sendall(hmac.new(secret, nonce, hashlib.sha256).digest() + _LENGTH.pack(len(raw)) + raw)
     except BaseException:
@@ -120,7 +120,7 @@ def _connect(address: Address, secret: bytes, request: dict[str, Any], timeout_s
     return sock
 
 
-def _receive_file(sock: socket.socket, path: str, length: int) -> None:
+def receive_file(sock: socket.socket, path: str, length: int) -> None:
     """`length` bytes from `sock` into a new private file at `path` (room reserved first: a full
     tmpfs is ENOSPC here, never a SIGBUS)."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
@@ -142,7 +142,7 @@ def _receive_file(sock: socket.socket, path: str, length: int) -> None:
         os.close(fd)
 
 
-def _keep_if_valid(tmp: str, expected: Expected, rank: int, token: Optional[str]) -> MemoryCopy:
+def keep_if_valid(tmp: str, expected: Expected, rank: int, token: Optional[str]) -> MemoryCopy:
     """The copy received at `tmp`, checked whole and renamed to its rank's name; removed if not."""
     try:
         copy = verify_copy(tmp)
@@ -160,7 +160,7 @@ def _keep_if_valid(tmp: str, expected: Expected, rank: int, token: Optional[str]
             os.unlink(tmp)
 
 
-def _temporary(expected: Expected, rank: int) -> str:
+def temporary(expected: Expected, rank: int) -> str:
     return os.path.join(expected.directory, f".{expected.name_of(rank)}.{os.getpid()}-{threading.get_ident()}.part")
 
 
@@ -199,7 +199,7 @@ class Push:
                     if self._cancelled.is_set():
                         raise ReplicaError("cancelled: a newer save is staging")
                     sent += self._sock.sendfile(file, sent, min(CHUNK, length - sent))
-                reply = _receive_message(self._sock)
+                reply = receive_message(self._sock)
             except OSError as exc:
                 raise ReplicaError("cancelled: a newer save is staging" if self._cancelled.is_set()
                                    else f"{self.address}: {exc}") from None
@@ -217,13 +217,13 @@ def pull(address: Address, secret: bytes, expected: Expected, rank: int, token: 
         sock = _connect(address, secret, {"op": "get", "rank": rank, "token": token}, timeout_s)
     except OSError as exc:
         raise ReplicaError(f"cannot reach {address}: {exc}") from None
-    tmp = _temporary(expected, rank)
+    tmp = temporary(expected, rank)
     try:
-        reply = _receive_message(sock)
+        reply = receive_message(sock)
         if "error" in reply:
             raise ReplicaError(f"{address}: {reply['error']}")
         length = int(reply["length"])
-        _receive_file(sock, tmp, length)
+        receive_file(sock, tmp, length)
     except (OSError, ValueError, KeyError) as exc:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -234,7 +234,7 @@ def pull(address: Address, secret: bytes, expected: Expected, rank: int, token: 
         raise
     finally:
         sock.close()
-    _keep_if_valid(tmp, expected, rank, token)
+    keep_if_valid(tmp, expected, rank, token)
     return length
 
 
@@ -249,7 +249,7 @@ def pull_items(address: Address, secret: bytes, rank: int, token: str, items: li
     except OSError as exc:
         raise ReplicaError(f"cannot reach {address}: {exc}") from None
     try:
-        reply = _receive_message(sock)
+        reply = receive_message(sock)
         if "error" in reply:
             raise ReplicaError(f"{address}: {reply['error']}")
         size = int(reply["size"])
@@ -283,134 +283,3 @@ def pull_items(address: Address, secret: bytes, rank: int, token: str, items: li
     finally:
         sock.close()
     return sum(item.length for item in items)
-
-
-# the server -------------------------------------------------------------------------------------
-
-class CopyServer:
-    """Serves one tier's copies on `sock`: `put` (a worker: keep a peer's copy) and/or `get` (a
-    restart: hand out one held here). A connection that fails the HMAC is refused and logged,
-    and nothing is written."""
-
-    def __init__(self, sock: socket.socket, secret: bytes, expected: Expected, *, put: bool, get: bool,
-                 timeout_s: float = 60.0) -> None:
-        self.sock, self.secret, self.expected = sock, secret, expected
-        self.allowed = {op for op, on in (("put", put), ("get", get)) if on}
-        self.timeout_s = timeout_s
-        self.received = 0  # copies kept (put)
-        self.served = 0  # bytes handed out (get)
-        self._active = 0  # connections being served
-        self._idle = threading.Condition()
-        self._stopped = threading.Event()
-        self._thread = threading.Thread(target=self._accept, name="asyncckpt-replicas", daemon=True)
-
-    def start(self) -> "CopyServer":
-        self._thread.start()
-        return self
-
-    @property
-    def address(self) -> tuple[str, int]:
-        return self.sock.getsockname()[:2]
-
-    def drain(self, timeout_s: float) -> bool:
-        """Wait (at most `timeout_s`) until no connection is being served; True if none is."""
-        with self._idle:
-            return self._idle.wait_for(lambda: self._active == 0, timeout_s)
-
-    def stop(self) -> None:
-        self._stopped.set()
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self.sock.close()
-        self._thread.join(5.0)
-
-    def _accept(self) -> None:
-        while not self._stopped.is_set():
-            try:
-                conn, peer = self.sock.accept()
-            except OSError:
-                if self._stopped.is_set():
-                    return
-                continue
-            with self._idle:
-                self._active += 1
-            threading.Thread(target=self._serve, args=(conn, peer), name="asyncckpt-replica", daemon=True).start()
-
-    def _serve(self, conn: socket.socket, peer: Any) -> None:
-        try:
-            self._serve_one(conn, peer)
-        finally:
-            with self._idle:
-                self._active -= 1
-                self._idle.notify_all()
-
-    def _serve_one(self, conn: socket.socket, peer: Any) -> None:
-        with conn:
-            conn.settimeout(self.timeout_s)
-            try:
-                nonce = secrets.token_bytes(NONCE_BYTES)
-                conn.sendall(nonce)
-                tag = _receive_exactly(conn, 32)
-                if not hmac.compare_digest(tag, hmac.new(self.secret, nonce, hashlib.sha256).digest()):
-                    log.warning("memory tier: refused a connection from %s: it does not know this job's secret", peer)
-                    return
-                request = _receive_message(conn)
-                op, rank = request.get("op"), request.get("rank")
-                if op not in self.allowed or not isinstance(rank, int) or not 0 <= rank < self.expected.world_size:
-                    _send_message(conn, {"error": f"not served here: {op!r} of rank {rank!r}"})
-                    return
-                if op == "put":
-                    self._keep(conn, peer, rank, request)
-                else:
-                    self._hand_out(conn, rank, str(request.get("token")), request.get("ranges"))
-            except (OSError, ReplicaError, ValueError) as exc:
-                log.debug("memory tier: a connection from %s ended: %s", peer, exc)
-
-    def _keep(self, conn: socket.socket, peer: Any, rank: int, request: dict[str, Any]) -> None:
-        tmp = _temporary(self.expected, rank)
-        try:
-            _receive_file(conn, tmp, int(request["length"]))
-            copy = _keep_if_valid(tmp, self.expected, rank, str(request.get("token")))
-        except (OSError, ReplicaError, ValueError, KeyError) as exc:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            if isinstance(exc, Truncated):  # a newer save cancelled it, or its sender died: the next one counts
-                log.info("memory tier: the copy of rank %s from %s was not kept: %s", rank, peer, exc)
-            else:
-                log.warning("memory tier: the copy of rank %s from %s was not kept: %s", rank, peer, exc)
-            try:
-                _send_message(conn, {"error": str(exc)})
-            except OSError:
-                pass
-            return
-        self.received += 1
-        log.debug("memory tier: kept rank %d's copy of step %d from %s", rank, copy.step, peer)
-        _send_message(conn, {"ok": True})
-
-    def _hand_out(self, conn: socket.socket, rank: int, token: str, ranges: Any = None) -> None:
-        """Send rank `rank`'s copy of save `token`: whole, or only `ranges` ([offset, length], in order)."""
-        path = self.expected.path_of(rank)
-        try:
-            copy = read_copy(path)
-            if copy.token != token or copy.root != self.expected.root:
-                raise NotACopy(f"it holds save {copy.token[:8]} of {copy.root!r}")
-            file = open(path, "rb")
-        except (NotACopy, OSError) as exc:
-            _send_message(conn, {"error": f"no copy of rank {rank}'s save {token[:8]} here ({exc})"})
-            return
-        with file:
-            size = os.fstat(file.fileno()).st_size
-            try:
-                pieces = [(0, size)] if ranges is None else [(int(at), int(n)) for at, n in ranges]
-            except (TypeError, ValueError):
-                pieces = [(-1, 0)]
-            if any(at < 0 or n < 0 or at + n > size for at, n in pieces):
-                _send_message(conn, {"error": "a range outside the copy"})
-                return
-            _send_message(conn, {"length": sum(n for _, n in pieces), "size": size})
-            for at, n in pieces:
-                if n:
-                    conn.sendfile(file, at, n)
-        self.served += sum(n for _, n in pieces)

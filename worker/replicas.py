@@ -15,7 +15,8 @@ from typing import Optional
 
 from asyncckpt.memory_file import memory_file_name
 from asyncckpt.protocol import MemoryTier
-from asyncckpt.replica_wire import Address, CopyServer, Expected, Push, ReplicaError
+from asyncckpt.replica_server import CopyServer
+from asyncckpt.replica_wire import Address, Expected, Push, ReplicaError
 
 log = logging.getLogger("asyncckpt.worker")
 

@@ -24,7 +24,8 @@ from typing import Any, Hashable, Optional
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
 from ..memory_file import MemoryCopy, NotACopy, StoredItem, memory_file_name, root_key
-from ..replica_wire import Address, CopyServer, Expected, ReplicaError, listener, pull, pull_items
+from ..replica_server import CopyServer
+from ..replica_wire import Address, Expected, ReplicaError, listener, pull, pull_items
 from .completeness import expand_statefuls
 from .memory_plan import rebuild_metadata
 

@@ -33,7 +33,7 @@ def test_every_data_file_name_is_recognised_with_its_tag():
 
 # the worker loads only the worker side -----------------------------------------------------------
 WORKER_SIDE = {"asyncckpt", "asyncckpt.errors", "asyncckpt.formats", "asyncckpt.layout", "asyncckpt.memory_file", "asyncckpt.protocol",
-               "asyncckpt.replica_wire",
+               "asyncckpt.replica_wire", "asyncckpt.replica_server",
                "asyncckpt.storage", "asyncckpt.storage.base", "asyncckpt.storage.local", "asyncckpt.storage.msc",
                "asyncckpt.storage.page_buffer", "asyncckpt.storage.requests", "asyncckpt.storage.retries",
                "asyncckpt.storage.upload_memory"}

@@ -17,7 +17,8 @@ LAYERS = (
     ("asyncckpt.errors", "asyncckpt.protocol", "asyncckpt.config", "asyncckpt.report", "asyncckpt.train_state",
      "asyncckpt.command"),
     ("asyncckpt.storage",),
-    ("asyncckpt.layout", "asyncckpt.formats", "asyncckpt.memory_file", "asyncckpt.replica_wire"),
+    ("asyncckpt.layout", "asyncckpt.formats", "asyncckpt.memory_file", "asyncckpt.replica_wire",
+     "asyncckpt.replica_server"),
     ("asyncckpt.loading",),
     ("asyncckpt.save",),
     ("asyncckpt.doors",),
@@ -27,7 +28,8 @@ LAYERS = (
 )
 # what the worker process may load of the library (the rest is the trainer's side)
 WORKER_MAY_IMPORT = ("asyncckpt", "asyncckpt.errors", "asyncckpt.protocol", "asyncckpt.formats", "asyncckpt.layout",
-                     "asyncckpt.storage", "asyncckpt.memory_file", "asyncckpt.replica_wire")
+                     "asyncckpt.storage", "asyncckpt.memory_file", "asyncckpt.replica_wire",
+                     "asyncckpt.replica_server")
 MAX_LINES = 400
 
 

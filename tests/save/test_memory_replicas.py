@@ -19,7 +19,8 @@ import torch.distributed as dist
 from asyncckpt import AsyncCheckpointer, CheckpointConfig
 from asyncckpt.layout import list_checkpoints
 from asyncckpt.memory_file import NotACopy, memory_file_name, read_copy, root_key
-from asyncckpt.replica_wire import Address, CopyServer, Expected, Push, ReplicaError, listener, new_secret, pull
+from asyncckpt.replica_server import CopyServer
+from asyncckpt.replica_wire import Address, Expected, Push, ReplicaError, listener, new_secret, pull
 from asyncckpt.save.replication import replica_targets
 from conftest import assert_state_equal
 from multirank import run_ranks
