@@ -4,11 +4,13 @@ rank of a node that holds one. Plain TCP; every connection is authenticated (HMA
 nonce under the job's secret, which rank 0 makes and the process group hands out), the bytes go
 with sendfile (no pickle), and a receiver keeps a copy only once its header and every item's
 CRC32C check out, renamed into place: a half-received or damaged copy never bears a copy's name.
+The server is replica_server.py.
 
     server -> client   nonce (32 bytes)
     client -> server   HMAC(secret, nonce) (32 bytes), request (4-byte length, JSON)
     put                client -> server: the copy's bytes; server -> client: reply
-    get                server -> client: reply {"length": n} (or {"error": ...}), then n bytes
+    get                server -> client: reply {"length": n, "size": the file's} (or {"error": ...}),
+                       then n bytes: the whole copy, or the request's "ranges" ([offset, length]) in order
     (a reply is a 4-byte length and JSON: {"ok": true} or {"error": "why"})
 """
 
