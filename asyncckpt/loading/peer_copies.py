@@ -227,6 +227,6 @@ def _pull_one(rank: int, items: Optional[list[StoredItem]], wanted: SaveKey, see
             path = os.path.join(expected.directory, f".{expected.name_of(rank)}.items-{wanted[1][:12]}-{me}")
             nbytes = pull_items(address, peers.secret, rank, wanted[1], items, path, peers.timeout_s)
             return PulledCopy(rank, me, peers.nodes[q], nbytes, path, whole=False)
-        except ReplicaError as exc:
+        except (ReplicaError, OSError) as exc:  # (OSError: this node's side, e.g. a full memory_dir)
             reasons.append(f"from rank {q}: {exc}")
     return f"rank {me} could not pull rank {rank}'s copy of step {wanted[0]}: {'; '.join(reasons) or 'no holder'}"

@@ -108,12 +108,17 @@ def _four_ranks_two_nodes(rank: int, world: int, root: str, shm: str) -> None:
     assert_state_equal(target, rank_state(rank, 1))
 
 
-@pytest.mark.timeout(400)
-def test_after_losing_a_node_the_restart_restores_from_the_other_nodes_copies(tmp_path):
+def two_nodes(tmp_path) -> str:
+    """The memory_dir of each simulated node, under one folder (returned)."""
     shm = tmp_path / "shm"
     for node in (0, 1):
         (shm / f"node{node}").mkdir(parents=True)
-    run_ranks(_four_ranks_two_nodes, 4, str(tmp_path / "ckpt"), str(shm), timeout_s=360)
+    return str(shm)
+
+
+@pytest.mark.timeout(400)
+def test_after_losing_a_node_the_restart_restores_from_the_other_nodes_copies(tmp_path):
+    run_ranks(_four_ranks_two_nodes, 4, str(tmp_path / "ckpt"), two_nodes(tmp_path), timeout_s=360)
 
 
 def _without_replicas(rank: int, world: int, root: str, shm: str) -> None:
@@ -128,10 +133,34 @@ def _without_replicas(rank: int, world: int, root: str, shm: str) -> None:
 
 @pytest.mark.timeout(300)
 def test_without_replicas_two_nodes_restart_from_the_disk(tmp_path):
-    shm = tmp_path / "shm"
-    for node in (0, 1):
-        (shm / f"node{node}").mkdir(parents=True)
-    run_ranks(_without_replicas, 4, str(tmp_path / "ckpt"), str(shm), timeout_s=240)
+    run_ranks(_without_replicas, 4, str(tmp_path / "ckpt"), two_nodes(tmp_path), timeout_s=240)
+
+
+def _four_save(rank: int, world: int, root: str, shm: str) -> None:
+    nodes = [node_of(r) for r in range(world)]
+    with AsyncCheckpointer(root, node_config(shm, rank, 1)) as ckpt:
+        for step in (1, 2):
+            ckpt.schedule_save(rank_state(rank, step), step=step, memory_only=step > 1)
+            ckpt.finalize(blocking=True)
+        for target in replica_targets(nodes, rank, 1):
+            wait_for_copy(os.path.join(shm, f"node{node_of(target)}", memory_file_name(root, rank)), 2)
+        dist.barrier()
+
+
+def _two_restart(rank: int, world: int, root: str, shm: str) -> None:
+    """Two ranks, both on node 0, which holds every copy of the four-rank job's step 2."""
+    step, report, target = _restart(rank, root, shm, 1)
+    assert (step, report.source) == (1, "disk"), report
+    assert_state_equal(target, rank_state(rank, 1))
+
+
+@pytest.mark.timeout(400)
+def test_a_job_restarted_with_another_world_size_loads_from_the_disk(tmp_path):
+    root, shm = str(tmp_path / "ckpt"), two_nodes(tmp_path)
+    run_ranks(_four_save, 4, root, shm, timeout_s=240)
+    held = sorted(read_copy(os.path.join(shm, "node0", memory_file_name(root, r))).step for r in range(4))
+    assert held == [2, 2, 2, 2]  # node 0 holds the whole step 2 of the four ranks
+    run_ranks(_two_restart, 2, root, shm, timeout_s=240)
 
 
 # placement ----------------------------------------------------------------------------------------
