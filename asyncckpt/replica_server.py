@@ -85,6 +85,8 @@ class CopyServer:
     def _serve_one(self, conn: socket.socket, peer: Any) -> None:
         with conn:
             conn.settimeout(self.timeout_s)
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
             try:
                 nonce = secrets.token_bytes(NONCE_BYTES)
                 conn.sendall(nonce)

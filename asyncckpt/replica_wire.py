@@ -112,6 +112,8 @@ def receive_message(sock: socket.socket) -> dict[str, Any]:
 
 def _connect(address: Address, secret: bytes, request: dict[str, Any], timeout_s: float) -> socket.socket:
     sock = socket.create_connection((address.host, address.port), timeout=timeout_s)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
     try:
         nonce = receive_exactly(sock, NONCE_BYTES)
         raw = json.dumps(request).encode()
