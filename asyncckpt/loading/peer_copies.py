@@ -90,11 +90,11 @@ def fill_from_peers(memory_dir: str, key: str, group: Any, peers: Peers, wait_s:
     server = CopyServer(listener(peers.host), peers.secret, expected, put=False, get=True,
                         timeout_s=peers.timeout_s).start()
     try:
-        seen = group.all_gather((held, server.address))
+        seen = group.all_gather(({rank: _save(copy) for rank, copy in held.items()}, server.address))
         wanted = _newest_whole(seen, group.size)
         if wanted is None:
             return None
-        headers = group.all_gather({rank: copy for rank, copy in held.items()
+        headers = group.all_gather({rank: copy for rank, copy in held.items()  # each once, from its first holder
                                     if _designated(seen, rank, wanted) == group.rank})
         copies = [dataclasses.replace(next(h[rank] for h in headers if rank in h), path=expected.path_of(rank))
                   for rank in range(group.size)]
@@ -148,19 +148,19 @@ def _save(copy: MemoryCopy) -> SaveKey:
     return (copy.step, copy.token, copy.root_id, copy.base_step, copy.base_token)
 
 
-def _newest_whole(seen: list[tuple[dict[int, MemoryCopy], Any]], world_size: int) -> Optional[SaveKey]:
+def _newest_whole(seen: list[tuple[dict[int, SaveKey], Any]], world_size: int) -> Optional[SaveKey]:
     """The newest save whose every rank's copy some node holds; None if there is none."""
     covered: dict[SaveKey, set[int]] = {}
     for held, _ in seen:
-        for rank, copy in held.items():
-            covered.setdefault(_save(copy), set()).add(rank)
+        for rank, save in held.items():
+            covered.setdefault(save, set()).add(rank)
     whole = [save for save, ranks in covered.items() if len(ranks) == world_size]
     return max(whole, key=lambda save: save[0]) if whole else None
 
 
 def _designated(seen: list, rank: int, wanted: SaveKey) -> int:
     """The rank that sends the header of `rank`'s copy of `wanted`: the first that holds one."""
-    return next(q for q, (held, _) in enumerate(seen) if rank in held and _save(held[rank]) == wanted)
+    return next(q for q, (held, _) in enumerate(seen) if held.get(rank) == wanted)
 
 
 def _reads(copies: list[MemoryCopy], me: int, state_dict: dict[str, Any]) -> dict[int, Optional[list[int]]]:
@@ -196,7 +196,7 @@ def _my_share(seen: list, nodes: tuple, me: int, wanted: SaveKey,
     """What the ranks of this node read of the copies of `wanted` it lacks (whole, None, or item
     indices: the union of theirs), split among them: this rank's part."""
     mine = [rank for rank, node in enumerate(nodes) if node == nodes[me]]
-    here = {rank for q in mine for rank, copy in seen[q][0].items() if _save(copy) == wanted}
+    here = {rank for q in mine for rank, save in seen[q][0].items() if save == wanted}
     merged: dict[int, Optional[set[int]]] = {}
     for q in mine:
         for rank, items in needs[q].items():
@@ -214,8 +214,7 @@ def _pull_one(rank: int, items: Optional[list[StoredItem]], wanted: SaveKey, see
               expected: Expected, me: int) -> PulledCopy | str:
     """Pull rank `rank`'s copy of `wanted` (whole, or only `items`) from a rank of another node
     that holds it, trying the next holder when one fails; the PulledCopy, or why not."""
-    holders = [q for q, (held, _) in enumerate(seen)
-               if rank in held and _save(held[rank]) == wanted and peers.nodes[q] != peers.nodes[me]]
+    holders = [q for q, (held, _) in enumerate(seen) if held.get(rank) == wanted and peers.nodes[q] != peers.nodes[me]]
     holders = holders[rank % len(holders):] + holders[:rank % len(holders)] if holders else []  # spread the load
     reasons = []
     for q in holders:
