@@ -21,7 +21,7 @@ import re
 import stat
 import struct
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from .formats import crc32c
 
@@ -166,18 +166,24 @@ def verify_copy(path: str) -> MemoryCopy:
     """`read_copy`, and every item's CRC32C checked against the header: a copy received from
     another node is kept only whole. NotACopy naming the first item that does not match."""
     copy = read_copy(path)
+    check_items(path, copy.items)
+    return copy
+
+
+def check_items(path: str, items: Sequence[StoredItem]) -> None:
+    """Every one of `items` lies inside the file at `path` and matches its CRC32C; NotACopy
+    naming the first that does not."""
     with open(path, "rb") as file:
         size = os.fstat(file.fileno()).st_size
-        if any(item.at + item.length > size for item in copy.items):
+        if any(item.at + item.length > size for item in items):
             raise NotACopy("damaged (an item lies past the end)")
         if size == 0:
-            return copy
+            return
         with mmap.mmap(file.fileno(), size, prot=mmap.PROT_READ) as mapped:
             view = memoryview(mapped)
             try:
-                for n, item in enumerate(copy.items):
+                for item in items:
                     if item.length and crc32c(view[item.at:item.at + item.length]) != item.crc32:
-                        raise NotACopy(f"damaged (item {n}: checksum mismatch)")
+                        raise NotACopy(f"damaged (the item at {item.at}: checksum mismatch)")
             finally:
                 view.release()
-    return copy

@@ -42,11 +42,13 @@ class ItemIndex:
 class Replication:
     """The memory tier across nodes (asyncckpt/replica_wire.py): the job's `secret`, the socket
     this rank's worker receives peers' copies on (the trainer's: a restarted worker keeps its
-    address), and the workers (rank, host, port) each sealed copy is sent to."""
+    address), the workers (rank, host, port) each sealed copy is sent to, and the ranks whose
+    copies it keeps (`sources`: any other is refused)."""
 
     secret: bytes
     listener: Any  # socket.socket, handed to the spawned worker
     targets: tuple[tuple[int, str, int], ...]
+    sources: tuple[int, ...]
     timeout_s: float
 
 

@@ -12,29 +12,28 @@ import os
 import secrets
 import socket
 import threading
-from typing import Any
+from typing import Any, Optional
 
 from .memory_file import NotACopy, read_copy
 from .replica_wire import (
     NONCE_BYTES, Expected, ReplicaError, Truncated, keep_if_valid, receive_exactly, receive_file, receive_message,
-    send_message, temporary,
+    send_message, temporary, tune,
 )
 
 log = logging.getLogger("asyncckpt")
 
 
 class CopyServer:
-    """Serves one tier's copies on `sock`: `put` (a worker: keep a peer's copy) and/or `get` (a
-    restart: hand out one held here). A connection that fails the HMAC is refused and logged,
-    and nothing is written."""
+    """Serves one tier's copies on `sock`: `put` (a worker: keep a peer's copy; `keeps`: of these
+    ranks only, None: any) and/or `get` (a restart: hand out one held here). A connection that
+    fails the HMAC is refused and logged, and nothing is written."""
 
     def __init__(self, sock: socket.socket, secret: bytes, expected: Expected, *, put: bool, get: bool,
-                 timeout_s: float = 60.0) -> None:
+                 timeout_s: float = 60.0, keeps: Optional[frozenset[int]] = None) -> None:
         self.sock, self.secret, self.expected = sock, secret, expected
         self.allowed = {op for op, on in (("put", put), ("get", get)) if on}
         self.timeout_s = timeout_s
-        self.received = 0  # copies kept (put)
-        self.served = 0  # bytes handed out (get)
+        self.keeps = keeps
         self._active = 0  # connections being served
         self._idle = threading.Condition()
         self._stopped = threading.Event()
@@ -85,8 +84,7 @@ class CopyServer:
     def _serve_one(self, conn: socket.socket, peer: Any) -> None:
         with conn:
             conn.settimeout(self.timeout_s)
-            conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
-            conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+            tune(conn)
             try:
                 nonce = secrets.token_bytes(NONCE_BYTES)
                 conn.sendall(nonce)
@@ -96,7 +94,8 @@ class CopyServer:
                     return
                 request = receive_message(conn)
                 op, rank = request.get("op"), request.get("rank")
-                if op not in self.allowed or not isinstance(rank, int) or not 0 <= rank < self.expected.world_size:
+                if (op not in self.allowed or not isinstance(rank, int) or not 0 <= rank < self.expected.world_size
+                        or (op == "put" and self.keeps is not None and rank not in self.keeps)):
                     send_message(conn, {"error": f"not served here: {op!r} of rank {rank!r}"})
                     return
                 if op == "put":
@@ -123,7 +122,6 @@ class CopyServer:
             except OSError:
                 pass
             return
-        self.received += 1
         log.debug("memory tier: kept rank %d's copy of step %d from %s", rank, copy.step, peer)
         send_message(conn, {"ok": True})
 
@@ -151,4 +149,3 @@ class CopyServer:
             for at, n in pieces:
                 if n:
                     conn.sendfile(file, at, n)
-        self.served += sum(n for _, n in pieces)

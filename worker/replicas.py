@@ -16,7 +16,7 @@ from typing import Optional
 from asyncckpt.memory_file import memory_file_name
 from asyncckpt.protocol import MemoryTier
 from asyncckpt.replica_server import CopyServer
-from asyncckpt.replica_wire import Address, Expected, Push, ReplicaError
+from asyncckpt.replica_wire import Address, Cancelled, Expected, Push, ReplicaError
 
 log = logging.getLogger("asyncckpt.worker")
 
@@ -34,7 +34,7 @@ class Replicator:
         expected = Expected(os.path.dirname(settings.path), root, settings.world_size,
                             lambda rank: memory_file_name(root, rank))
         self.server = CopyServer(replication.listener, replication.secret, expected, put=True, get=False,
-                                 timeout_s=replication.timeout_s).start()
+                                 timeout_s=replication.timeout_s, keeps=frozenset(replication.sources)).start()
         self._pushes: list[Push] = []
         self._thread: Optional[threading.Thread] = None
 
@@ -55,10 +55,10 @@ class Replicator:
             started = time.perf_counter()
             try:
                 sent = push.run()
+            except Cancelled as exc:
+                log.debug("memory tier: the copy of step %d for rank %d was not sent: %s", step, rank, exc)
+                return
             except (ReplicaError, OSError) as exc:
-                if "cancelled" in str(exc):
-                    log.debug("memory tier: the copy of step %d for rank %d was not sent: %s", step, rank, exc)
-                    return
                 log.warning("memory tier: the copy of step %d did not reach rank %d's worker: %s", step, rank, exc)
                 continue
             log.debug("memory tier: sent the copy of step %d (%d bytes) to rank %d in %.3fs", step, sent, rank,

@@ -87,10 +87,15 @@ def fill_from_peers(memory_dir: str, key: str, group: Any, peers: Peers, wait_s:
     root = root_key(key)
     expected = Expected(memory_dir, root, group.size, lambda rank: memory_file_name(key, rank))
     held = _inventory(expected, group.size, time.monotonic() + wait_s, read)
-    server = CopyServer(listener(peers.host), peers.secret, expected, put=False, get=True,
-                        timeout_s=peers.timeout_s).start()
+    try:  # (a rank that cannot serve still takes part: the others pull from other holders)
+        server: Optional[CopyServer] = CopyServer(listener(peers.host), peers.secret, expected, put=False, get=True,
+                                                  timeout_s=peers.timeout_s).start()
+    except OSError as exc:
+        log.warning("memory tier: rank %d cannot serve its node's copies to a restart: %s", group.rank, exc)
+        server = None
     try:
-        seen = group.all_gather(({rank: _save(copy) for rank, copy in held.items()}, server.address))
+        seen = group.all_gather(({rank: _save(copy) for rank, copy in held.items()},
+                                 server.address if server is not None else None))
         wanted = _newest_whole(seen, group.size)
         if wanted is None:
             return None
@@ -113,7 +118,8 @@ def fill_from_peers(memory_dir: str, key: str, group: Any, peers: Peers, wait_s:
                 (pulled if isinstance(done, PulledCopy) else problems).append(done)
         everyone = group.all_gather((pulled, problems))  # also: every server stays up until all are done
     finally:
-        server.stop()
+        if server is not None:
+            server.stop()
     for problem in (p for _, problems in everyone for p in problems):
         log.warning("memory tier: %s", problem)
     result = tuple(copy for pulled, _ in everyone for copy in pulled)
@@ -214,7 +220,8 @@ def _pull_one(rank: int, items: Optional[list[StoredItem]], wanted: SaveKey, see
               expected: Expected, me: int) -> PulledCopy | str:
     """Pull rank `rank`'s copy of `wanted` (whole, or only `items`) from a rank of another node
     that holds it, trying the next holder when one fails; the PulledCopy, or why not."""
-    holders = [q for q, (held, _) in enumerate(seen) if held.get(rank) == wanted and peers.nodes[q] != peers.nodes[me]]
+    holders = [q for q, (held, address) in enumerate(seen)
+               if held.get(rank) == wanted and address is not None and peers.nodes[q] != peers.nodes[me]]
     holders = holders[rank % len(holders):] + holders[:rank % len(holders)] if holders else []  # spread the load
     reasons = []
     for q in holders:

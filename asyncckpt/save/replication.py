@@ -27,7 +27,6 @@ log = logging.getLogger("asyncckpt")
 class ReplicaSetup:
     replication: Replication  # for the worker
     peers: Peers  # for a restart
-    sources: tuple[int, ...]  # the ranks whose copies this rank's worker keeps
 
 
 def replica_targets(nodes: Sequence[Hashable], rank: int, replicas: int) -> list[int]:
@@ -70,8 +69,9 @@ def set_up(config: CheckpointConfig, group: RankGroup) -> ReplicaSetup:
     sources = tuple(r for r in range(group.size) if group.rank in replica_targets(nodes, r, config.memory_replicas))
     log.debug("memory tier: rank %d on node %r keeps the copies of ranks %s and sends its own to ranks %s",
               group.rank, nodes[group.rank], list(sources), targets)
-    replication = Replication(secret, sock, tuple((r, seen[r][1], seen[r][2]) for r in targets), config.timeout_s)
-    return ReplicaSetup(replication, Peers(secret, nodes, host, config.timeout_s), sources)
+    replication = Replication(secret, sock, tuple((r, seen[r][1], seen[r][2]) for r in targets), sources,
+                              config.timeout_s)
+    return ReplicaSetup(replication, Peers(secret, nodes, host, config.timeout_s))
 
 
 def _own_address() -> str:

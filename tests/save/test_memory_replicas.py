@@ -306,3 +306,16 @@ def _run(push: Push):
         return push.run()
     except ReplicaError as exc:
         return exc
+
+
+def test_a_worker_keeps_only_the_copies_of_the_ranks_it_keeps_for(sealed_copy):
+    """A push for a rank this worker does not keep copies of (its own, a misplaced one) is refused."""
+    path, copy, expected = sealed_copy
+    secret = new_secret()
+    server = _server(expected, secret, put=True, get=False, keeps=frozenset({1}))
+    try:
+        with pytest.raises(ReplicaError):  # (the refusal, or the reset of a send it did not read)
+            Push(Address(*server.address), secret, path, 0, copy.token, 30.0).run()
+    finally:
+        server.stop()
+    assert os.listdir(expected.directory) == []
