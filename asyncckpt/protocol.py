@@ -2,6 +2,7 @@
 
 Flow for one save: the trainer sends `SaveRequest`; the worker answers `Staged` once its copy
 is taken (the trainer may mutate its tensors from then on), then `WriteDone` or `SaveFailed`.
+`WriteStaged` writes a memory-only save's copy after the fact (the same answers).
 A `prepare_only` request (AsyncCheckpointer.prepare) is answered `Prepared` or `SaveFailed`.
 """
 
@@ -193,6 +194,21 @@ class MemorySave:
     root_id: Optional[str] = None  # the history it belongs to (loading/history.py): the root's id,
     base_step: Optional[int] = None  # and the newest committed checkpoint when it was staged
     base_token: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class WriteStaged:
+    """Trainer -> worker: write the copy the memory-only save `token` staged (the slab still holds
+    it) into `checkpoint_dir`, copying nothing: a preempted close persists the newest save this
+    way (asyncckpt/save/preemption.py). Answered as a save is: `Staged` at once, then `WriteDone`,
+    or `SaveFailed` (a later save staged over that copy, or a write failed)."""
+
+    save_id: int
+    token: str
+    checkpoint_dir: str
+    options: WriteOptions
+    file_tag: str = ""
+    data_folder: str = ""
 
 
 @dataclass(frozen=True)

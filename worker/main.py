@@ -16,19 +16,20 @@ import sys
 import threading
 import time
 import traceback
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from asyncckpt.formats import use_fast_serialization
-from asyncckpt.protocol import Prepared, Ready, SaveFailed, SaveRequest, Shutdown, Staged, WorkerSettings
+from asyncckpt.protocol import Prepared, Ready, SaveFailed, SaveRequest, Shutdown, Staged, WorkerSettings, WriteStaged
 from asyncckpt.storage.requests import COUNTER
 
 from .buckets import staging_need
-from .cache import CacheMiss, StructureCache
+from .cache import CachedStructure, CacheMiss, StructureCache
 from .forked import child_main
 from .forkserver import ForkServer, name_process
-from .rounds import run_save
+from .rounds import run_save, write_staged
 from .staging import StagingPool
 from .tier import TierFile
 from .parts import WriteError
@@ -40,6 +41,17 @@ PARENT_CHECK_INTERVAL_S = 0.5
 SHUTDOWN_REPLICAS_S = 8.0  # a clean close lets copies to and from peers end this long (the trainer waits 10 s)
 
 
+@dataclass
+class StagedOnly:
+    """The copy the last save staged into the memory tier only, while nothing has touched the
+    slab since: what a `WriteStaged` writes (its tensors in `entry.views`, its pickled objects)."""
+
+    token: str
+    entry: CachedStructure
+    objects: dict[int, bytes]
+    generation: int  # the slab's (StagingPool.generation): a new slab holds nothing of it
+
+
 class ServeLoop:
     def __init__(self, conn, settings: WorkerSettings, forks: Optional[ForkServer] = None) -> None:
         self.conn = conn
@@ -48,6 +60,7 @@ class ServeLoop:
         self.pool = StagingPool(settings.memory.path if settings.memory else None)
         self.writers = Writers(nice=settings.nice, forks=forks)
         self.tier = TierFile(settings.memory, settings.rank, settings.parent_pid, self.pool) if settings.memory else None
+        self.staged_only: Optional[StagedOnly] = None
 
     def serve(self) -> None:
         while True:
@@ -63,8 +76,8 @@ class ServeLoop:
                 if self.tier is not None and self.tier.replicator is not None:
                     self.tier.replicator.close(SHUTDOWN_REPLICAS_S)
                 return
-            if isinstance(message, SaveRequest):
-                self.handle_save(message)
+            if isinstance(message, (SaveRequest, WriteStaged)):
+                self.handle_save(message) if isinstance(message, SaveRequest) else self.handle_write_staged(message)
                 del message
                 if not self.writers.usable:  # it cannot be restarted safely here: a fresh worker can
                     log.error("the writers' fork server died; worker exits (the next save starts a new one)")
@@ -74,6 +87,7 @@ class ServeLoop:
 
     def handle_save(self, request: SaveRequest) -> None:
         phase = "cache"
+        self.staged_only = None  # (a preparation too may lay out the slab anew)
         started = time.perf_counter()
         memory = request.memory if self.tier is not None and not request.prepare_only else None
         sealing = False
@@ -117,6 +131,8 @@ class ServeLoop:
             finally:
                 if memory is not None and not sealing:
                     self.tier.abandon()
+            if memory is not None and memory.memory_only:
+                self.staged_only = StagedOnly(memory.token, entry, request.byte_items, self.pool.generation)
             self.conn.send(dataclasses.replace(done, requests=COUNTER.since(requests_before),
                                                memory_problem="; ".join(unsealed)))
         except WriteError as exc:
@@ -126,6 +142,25 @@ class ServeLoop:
         except Exception as exc:
             log.debug("save %d failed in %s:\n%s", request.save_id, phase, traceback.format_exc())
             self._fail(request.save_id, phase, f"{type(exc).__name__}: {exc}")
+
+    def handle_write_staged(self, request: WriteStaged) -> None:
+        """Write the memory-only save's copy the slab holds (write_staged): refused when a later
+        save (or a preparation) has been given the slab since."""
+        copy = self.staged_only
+        if copy is None or copy.token != request.token or copy.generation != self.pool.generation:
+            self._fail(request.save_id, "write", f"this worker no longer holds the copy of save {request.token[:8]}: "
+                       "a later save or a new worker staged over it")
+            return
+        try:
+            self.conn.send(Staged(request.save_id, 0.0, True, os.getpid()))
+            requests_before = COUNTER.snapshot()
+            done = write_staged(request, copy.entry, copy.objects, self.pool, self.writers, self.settings.rank)
+            self.conn.send(dataclasses.replace(done, requests=COUNTER.since(requests_before)))
+        except WriteError as exc:
+            self._fail(request.save_id, "write", str(exc), exc.path)
+        except Exception as exc:
+            log.debug("writing the staged copy failed:\n%s", traceback.format_exc())
+            self._fail(request.save_id, "write", f"{type(exc).__name__}: {exc}")
 
     def _fail(self, save_id: Optional[int], phase: str, message: str, path=None) -> None:
         log.debug("save %s failed in %s: %s", save_id, phase, message)

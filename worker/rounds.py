@@ -24,7 +24,7 @@ from typing import Callable, Optional
 from asyncckpt.formats import SafetensorsEntry, safetensors_header, tensor_digest
 from asyncckpt.layout import METADATA_FILE, SAFETENSORS
 from asyncckpt.protocol import (
-    TENSOR, WORKER_DEADLINE_SHARE, ItemSpec, ItemWritten, SaveRequest, WriteDone, WriteOptions,
+    TENSOR, WORKER_DEADLINE_SHARE, ItemSpec, ItemWritten, SaveRequest, WriteDone, WriteOptions, WriteStaged,
 )
 from asyncckpt.storage import Storage, storage_for
 
@@ -51,12 +51,7 @@ def run_save(
     options = request.options
     if request.memory is not None and request.memory.memory_only:
         return _stage_only(request, entry, pool, rank, on_staged)
-    if request.data_folder:  # prefix spreading: this rank's files go in a folder of the step directory
-        folder = storage_for(request.checkpoint_dir).join(request.checkpoint_dir, request.data_folder)
-        try:
-            storage_for(folder).make_dir(folder, options.fsync)
-        except OSError as exc:
-            raise WriteError(folder, describe(exc)) from exc
+    _make_data_folder(request.checkpoint_dir, request.data_folder, options)
     if options.incremental:
         return _run_incremental(request, entry, pool, writers, rank, on_staged)
     object_sizes = {pos: len(data) for pos, data in request.byte_items.items()}
@@ -105,6 +100,42 @@ def run_save(
         bytes_written=sum(item.length for item in written),
         write_s=write_s,
     )
+
+
+def write_staged(
+    request: WriteStaged, entry: CachedStructure, objects: dict[int, bytes], pool: StagingPool, writers: Writers,
+    rank: int,
+) -> WriteDone:
+    """Write the copy a memory-only save staged (`entry.views`, still in the slab, and its
+    pickled `objects`) into `request.checkpoint_dir`, as that save would have been written (a
+    preempted close persists it). Nothing is copied; the copy in the memory tier stays complete."""
+    options = request.options
+    _make_data_folder(request.checkpoint_dir, request.data_folder, options)
+    object_sizes = {pos: len(data) for pos, data in objects.items()}
+    buckets = make_buckets(entry.items, object_sizes, rank, options.io_workers, options.separation_hint,
+                           options.format, request.file_tag, folder=request.data_folder)
+    data = SaveData(entry.items, entry.views, objects, options, pool.share())
+    files = open_files(storage_for(request.checkpoint_dir), request.checkpoint_dir, buckets, entry.items, options)
+    started = time.perf_counter()
+    try:
+        parts = [(file, list(file.bucket.positions)) for file in files]
+        written = writers.run(data, parts, final=True, deadline=time.monotonic() + options.timeout_s * WORKER_DEADLINE_SHARE)
+    except BaseException:
+        abort(files)
+        raise
+    return WriteDone(save_id=request.save_id, items=tuple(written), bytes_written=sum(item.length for item in written),
+                     write_s=time.perf_counter() - started)
+
+
+def _make_data_folder(checkpoint_dir: str, data_folder: str, options: WriteOptions) -> None:
+    """Prefix spreading: this rank's files go in a folder of the step directory (layout.py)."""
+    if not data_folder:
+        return
+    folder = storage_for(checkpoint_dir).join(checkpoint_dir, data_folder)
+    try:
+        storage_for(folder).make_dir(folder, options.fsync)
+    except OSError as exc:
+        raise WriteError(folder, describe(exc)) from exc
 
 
 def _stage_only(

@@ -125,7 +125,7 @@ def _decide_and_load(state_dict: dict[str, Any], root: str, memory_dir: str, gro
     loaded = _load_copy(state_dict, copies, memory_dir, group, trusted, f"the copy of step {step}", verified)
     if loaded is not True:
         return MemoryAttempt(touched=any(group.all_gather(loaded == "touched")), newest=decision.newest)
-    what = "memory only" if seen[0].memory_only else ("not committed" if decision.persist else "committed too")
+    what = ("memory only" if seen[0].memory_only else "not committed") if decision.persist else "committed too"
     log.info("resumed from memory: step %d (save %s, %s%s) in %.2fs", step, seen[0].token[:8], what,
              f", {len(pulled)} copies pulled from other nodes" if pulled else "", time.perf_counter() - started)
     report = ResumeReport(step, copies[group.rank].path, source="peer" if pulled else "memory", pulled=pulled)

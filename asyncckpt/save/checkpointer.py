@@ -42,6 +42,7 @@ from .rank_worker import RankWorker
 from .ranks import RankGroup, finalize_bound_s
 from .retention import Janitor, discard_uncommitted, is_dir_or_unknown, raise_start_failure
 from .snapshot import SaveWarnings, take_snapshot
+from .staged_copy import persist_flight
 
 log = logging.getLogger("asyncckpt")
 
@@ -198,6 +199,7 @@ class AsyncCheckpointer(InterruptedExit, IntegrationHooks):
             data_folder=data_folder_for(self.config, self._group.rank, self._group.size, writes, step_dir),
             memory=self._memory.next_save(planned, step, memory_only) if self._memory is not None else None,
         )
+        self._preemption.staged_only = None  # the worker's slab takes this save
         try:
             hand_off = wait and hands_off(self.config, self._worker, cache_slot, self._memory)
             mapped = self._memory.restored_snapshot(planned) if hand_off and self._memory is not None else None
@@ -256,6 +258,7 @@ class AsyncCheckpointer(InterruptedExit, IntegrationHooks):
         self._warnings.about(snapshot)
         if not handing_off:
             self._worker.ensure_alive()
+            self._preemption.staged_only = None  # (the worker may lay its slab out anew)
             self._worker.prepare(snapshot)
 
     def wait_staged(self) -> None:
@@ -308,18 +311,16 @@ class AsyncCheckpointer(InterruptedExit, IntegrationHooks):
         report = self.resume_report = restarted.report
         if report is None:
             return None
-        if report.source == "disk":
+        if report.source == "disk":  # (the memory tier's restore logs its own line)
             self._incremental.resumed(report.path)  # the next save continues from it
+            skipped = f", {len(report.skipped)} newer damaged checkpoints skipped" if report.skipped else ""
+            log.info("resumed from %s (step %d)%s", report.path, report.step, skipped)
         elif restarted.persist and self.config.memory_persist_restored:  # newer than the disk: persisted in the
             self._memory.persist_restored(lambda: self.schedule_save(state_dict, step=report.step))  # background
             self._in_flight.persists_restore = True
-        skipped = f", {len(report.skipped)} newer damaged checkpoints skipped" if report.skipped else ""
-        if report.source == "disk":  # (the memory tier's restore says so itself)
-            log.info("resumed from %s (step %d)%s", report.path, report.step, skipped)
         return report.step
 
     worker_pid = property(lambda self: self._worker.pid)
-
     planning_counters = property(lambda self: self._planning.counters)
     preempted = property(lambda self: self._preemption.preempted)  # a preemption signal came: close(), then exit
 
@@ -330,12 +331,18 @@ class AsyncCheckpointer(InterruptedExit, IntegrationHooks):
         if self._closed:
             return []
         try:
-            return self._preemption.closing(lambda: self.finalize(blocking=True), bool(self._memory))
+            return self._preemption.closing(lambda: self.finalize(blocking=True), bool(self._memory), self._persist)
         except KeyboardInterrupt:  # Ctrl-C while close() waits: as at an interrupted exit (interrupted.py)
             self._close_after_ctrl_c()
             raise
         finally:
             self._release()
+
+    def _persist(self, staged: Optional[InFlightSave]) -> list[SaveReport]:
+        """A preempted close: the worker writes its copy of a memory-only newest save (staged_copy.py)."""
+        self._in_flight = persist_flight(staged, self._group, self._folders, self._janitor, self._worker)
+        self._finish_in_flight(blocking=True)
+        return self.finalize()
 
     def _release(self) -> None:
         """What close() lets go of, once: retention's thread, the worker, the tier's file, the lock."""
@@ -385,7 +392,7 @@ class AsyncCheckpointer(InterruptedExit, IntegrationHooks):
             report = dataclasses.replace(report, persisted_restore=True)
             self.resume_report = dataclasses.replace(self.resume_report, persisted=True, persisted_at=time.time())
         self._committed.append(report)
-        self._preemption.newest = report
+        self._preemption.committed(report, flight if target.memory_only else None)
         publish(report, self.config.metrics_path, self.config.on_commit)
 
     def _check_open(self) -> None:

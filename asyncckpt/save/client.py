@@ -17,7 +17,7 @@ import torch.multiprocessing as tmp
 from multiprocessing.reduction import ForkingPickler
 
 from ..errors import CheckpointTimeoutError, WorkerDiedError
-from ..protocol import WORKER_ENTRY, Ready, SaveFailed, SaveRequest, Shutdown, WorkerSettings, run_worker
+from ..protocol import WORKER_ENTRY, Ready, SaveFailed, SaveRequest, Shutdown, WorkerSettings, WriteStaged, run_worker
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +117,7 @@ class WorkerClient:
         self.stop(timeout_s=5)
 
     # messages ------------------------------------------------------------------------------
-    def send(self, request: SaveRequest, timeout_s: float = 600.0) -> None:
+    def send(self, request: SaveRequest | WriteStaged, timeout_s: float = 600.0) -> None:
         """Hand `request` to the worker, waiting at most `timeout_s` for it to be taken in.
 
         A request bigger than the socket buffer blocks until the worker reads it, and a plain

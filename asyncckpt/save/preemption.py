@@ -17,8 +17,10 @@ Several ranks: a rank's signal rides on the small all-reduce every schedule_save
 finalize poll of a pending save already make (ranks.py): no collective is added, and every rank
 turns `preempted` true after the same call, so all stop at the same step. Between saves nothing is
 exchanged: the others learn of it at the next schedule_save (or the signalled rank's grace ends it).
-Memory tier: a newest save that was memory-only is kept in the tier's file on close (a restart on
-this node restores and persists it), not written to disk here.
+Memory tier: a newest save that was memory-only is written to disk by close() from the copy the
+worker staged (WriteStaged: nothing is copied, and the trainer's state may have moved on since) and
+committed under the copy's save id; should that fail, the tier's file is kept (a restart on this
+node restores and persists it).
 """
 
 from __future__ import annotations
@@ -52,6 +54,8 @@ class Preemption:
         self.signum: Optional[int] = None  # the first signal that came
         self.grace_s = grace_s
         self.newest = None  # the SaveReport of the newest committed save (memory-only ones included)
+        self.persisted: Optional[int] = None  # the step of a memory-only newest save written to disk by close()
+        self.staged_only = None  # that save's InFlightSave, while the worker's slab holds its copy
         self._at = 0.0
         self._kill_worker = kill_worker
         self._closed = threading.Event()
@@ -126,32 +130,47 @@ class Preemption:
         """A wait's bound in close(): timeout_s, or at most what is left of the grace after a signal."""
         return timeout_s if self.signum is None else max(0.1, min(timeout_s, self._at + self.grace_s - time.monotonic()))
 
-    def closing(self, finalize: Callable[[], list], memory_tier: bool) -> list:
+    def committed(self, report, staged_only) -> None:
+        """A save committed: `report`; `staged_only`: its InFlightSave if it was memory-only."""
+        self.newest, self.staged_only = report, staged_only
+
+    def closing(self, finalize: Callable[[], list], memory_tier: bool, persist: Callable[[object], list]) -> list:
         """close()'s wait for the save in flight: as ever (after a signal the watchdog bounds it
-        by the grace); after a signal, what was saved is said on stderr (and logged)."""
-        if self.signum is None:
+        by the grace). After a signal, a newest save that was memory-only is written to disk from
+        the worker's copy and committed (`persist`), and what was saved is said on stderr (and logged)."""
+        if self.signum is None and not self.preempted:
             return finalize()
-        name = signal.Signals(self.signum).name
+        name = signal.Signals(self.signum).name if self.signum is not None else "a signal to another rank"
         try:
             reports = finalize()
         except Exception as exc:
             _say(f"asyncckpt: preempted ({name}): {exc}; the last committed checkpoint is intact")
             raise
-        _say(f"asyncckpt: preempted ({name}): {self.describe(memory_tier)}")
+        problem = ""
+        if self.preempted and self.newest is not None and self.newest.memory_only:  # (agreed: every rank persists)
+            memory_only = self.newest.step
+            try:
+                staged, self.staged_only = self.staged_only, None
+                reports = reports + persist(staged)
+                self.persisted = memory_only
+            except Exception as exc:  # the copy stays in the memory tier; what is on disk is intact
+                problem = f"writing it to disk failed: {exc}"
+        _say(f"asyncckpt: preempted ({name}): {self.describe(memory_tier, problem)}")
         return reports
 
-    def describe(self, memory_tier: bool) -> str:
+    def describe(self, memory_tier: bool, problem: str = "") -> str:
         newest = self.newest
         if newest is None:
             return "no save was in flight; the last committed checkpoint is unchanged"
         if newest.memory_only:
             where = "kept in the memory tier (a restart on this node restores it)" if memory_tier else ""
-            return f"step {newest.step} was memory-only: not on disk; {where}".rstrip("; ")
-        return f"step {newest.step} committed ({newest.path})"
+            return "; ".join(part for part in (f"step {newest.step} was memory-only: not on disk", problem, where) if part)
+        how = ", written from the memory tier's copy" if self.persisted == newest.step else ""
+        return f"step {newest.step} committed ({newest.path}{how})"
 
     @property
     def keeps_memory(self) -> bool:  # close() must not remove a memory-only newest save's file
-        return self.signum is not None and self.newest is not None and self.newest.memory_only
+        return (self.signum is not None or self.preempted) and self.newest is not None and self.newest.memory_only
 
 
 def end_now(signum: int, kill_worker: Callable[[], None], why: str) -> None:

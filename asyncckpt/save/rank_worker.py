@@ -22,6 +22,7 @@ from ..errors import CheckpointTimeoutError, WorkerDiedError
 from .inflight import InFlightSave
 from ..protocol import (
     CACHE_SLOTS, IncrementalBase, MemorySave, MemoryTier, Prepared, SaveFailed, SaveRequest, Staged, WorkerSettings, WriteDone,
+    WriteStaged,
 )
 from .snapshot import Snapshot
 from .spare_copy import SpareCopy
@@ -209,6 +210,19 @@ class RankWorker:
         flight.deadline = time.monotonic() + self._client.allowance(self.config.timeout_s)  # start-up
         flight.deadline_says = self._client.bound_text(self.config.timeout_s)
         self._holds[request.slot] = WorkerHolds.of(snapshot)
+
+    def write_staged(self, flight: InFlightSave) -> None:
+        """Have the worker write the copy its memory-only save `flight.memory.token` staged into
+        `flight.step_dir` (a preempted close: preemption.py); answered as a save is."""
+        if self._client is None or not self._client.is_alive():
+            raise WorkerDiedError(f"rank {self.rank}: the worker that held the copy of {flight.label} is gone")
+        self._next_save_id += 1
+        request = WriteStaged(self._next_save_id, flight.memory.token, flight.step_dir, write_options(self.config),
+                              flight.file_tag, flight.data_folder)
+        self._client.send(request, self.config.timeout_s)
+        flight.save_id = request.save_id
+        flight.deadline = time.monotonic() + self.config.timeout_s
+        flight.deadline_says = f"within {self.config.timeout_s:.1f}s"
 
     def request_for(
         self, snapshot: Snapshot, step_dir: str, file_tag: str, bases: tuple[IncrementalBase, ...] = (), slot: int = 0,

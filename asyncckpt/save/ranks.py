@@ -23,7 +23,7 @@ from ..config import CheckpointConfig, hand_off_bound_s
 from ..errors import CheckpointError
 
 
-_CALL_KINDS = {"schedule_save": 1, "finalize": 2, "prepare": 3}
+_CALL_KINDS = {"schedule_save": 1, "finalize": 2, "prepare": 3, "persist": 4}
 
 
 def collective_timeout_s(config: CheckpointConfig) -> float:

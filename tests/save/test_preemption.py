@@ -208,23 +208,83 @@ def test_a_signal_to_one_rank_stops_both_at_the_same_step(tmp_path):
     run_ranks(_two_ranks, 2, str(tmp_path / "root"), random.Random().randrange(2, 12), timeout_s=180)
 
 
-def test_a_memory_only_newest_save_is_kept_for_the_restart(tmp_path):
-    """Preempted with a memory-only newest save: close() keeps the tier's file (a clean close
-    removes it) and says the step is not on disk; a restart on this node restores it."""
+def _memory_only_at_step_2(tmp_path, signum=signal.SIGUSR1):
     root, shm = str(tmp_path / "root"), str(tmp_path / "shm")
     os.makedirs(shm)
-    config = CheckpointConfig(preemption_signals=(signal.SIGUSR1,), memory_tier=True, memory_dir=shm,
+    config = CheckpointConfig(preemption_signals=(signum,), memory_tier=True, memory_dir=shm,
                               worker_nice=None, worker_ionice=None)
     ckpt = AsyncCheckpointer(root, config, no_dist=True)
     ckpt.schedule_save(child_state(1.0), step=1)
-    ckpt.schedule_save(child_state(2.0), step=2, memory_only=True)
-    os.kill(os.getpid(), signal.SIGUSR1)
+    state = child_state(2.0)
+    ckpt.schedule_save(state, step=2, memory_only=True)
+    for tensor in state["w"].values():  # training goes on: the persist must write the copy staged at step 2
+        tensor.fill_(3.0)
+    state["step"] = 3
+    os.kill(os.getpid(), signum)
     time.sleep(0.01)
     assert ckpt.preempted
+    return root, shm, config, ckpt
+
+
+def test_a_memory_only_newest_save_is_written_to_disk_on_close(tmp_path, capfd):
+    """Preempted with a memory-only newest save: close() has the worker write the copy it staged
+    (not the state as it is now) and commits it; a restart on another node loads it from disk."""
+    root, shm, config, ckpt = _memory_only_at_step_2(tmp_path)
+    reports = ckpt.close()
+    assert (reports[-1].step, reports[-1].memory_only) == (2, False)
+    assert "step 2 committed" in capfd.readouterr().err
+    assert read_latest_marker(root) == "step_00000002"
+    state = child_state(-1.0)
+    load(state, os.path.join(root, "step_00000002"))  # from disk: what another node restarts from
+    assert state["step"] == 2 and all(bool((t == 2).all()) for t in state["w"].values())
+    assert not os.listdir(shm), "a clean close keeps no copy that the disk holds"
+
+
+def _two_ranks_memory_only(rank: int, world_size: int, root: str, shm: str, signal_at: int) -> None:
+    """Saves to memory only after step 0; rank 1 alone is signalled at `signal_at`."""
+    state = {f"w{rank}": torch.zeros(1 << 16), "step": -1}
+    config = CheckpointConfig(preemption_signals=(signal.SIGTERM,), memory_tier=True, memory_dir=shm,
+                              worker_nice=None, worker_ionice=None, timeout_s=60)
+    ckpt = AsyncCheckpointer(root, config)
+    staged = -1
+    for step in range(200):
+        if ckpt.preempted:
+            break
+        if rank == 1 and step == signal_at:
+            os.kill(os.getpid(), signal.SIGTERM)
+        state[f"w{rank}"].fill_(step * 10 + rank)
+        state["step"] = step
+        ckpt.schedule_save(state, step=step, memory_only=step > 0)
+        staged = step
+    state[f"w{rank}"].fill_(-5)  # (what the trainer holds at close is not what is persisted)
     ckpt.close()
-    assert os.listdir(shm), "the memory-only save's file was removed"
+    assert read_latest_marker(root) == f"step_{staged:08d}"
+    loaded = {f"w{rank}": torch.zeros(1 << 16), "step": -1}
+    load(loaded, os.path.join(root, f"step_{staged:08d}"))
+    assert loaded["step"] == staged and bool((loaded[f"w{rank}"] == staged * 10 + rank).all())
+
+
+def test_two_ranks_write_their_memory_only_newest_save_on_a_signal_to_one(tmp_path):
+    from multirank import run_ranks
+
+    os.makedirs(tmp_path / "shm")
+    run_ranks(_two_ranks_memory_only, 2, str(tmp_path / "root"), str(tmp_path / "shm"),
+              random.Random().randrange(2, 8), timeout_s=180)
+
+
+def test_a_memory_only_newest_save_that_cannot_be_written_stays_in_memory(tmp_path, capfd):
+    """Writing it fails (its directory's name is taken by a file): close() says so, the last
+    committed checkpoint stays the newest on disk, and the tier keeps the copy for a restart here."""
+    root, shm, config, ckpt = _memory_only_at_step_2(tmp_path)
+    with open(os.path.join(root, "step_00000002"), "w") as blocker:
+        blocker.write("not a directory")
+    ckpt.close()
+    err = capfd.readouterr().err
+    assert "step 2 was memory-only: not on disk; writing it to disk failed" in err and "kept in the memory tier" in err
     assert read_latest_marker(root) == "step_00000001"
+    os.unlink(os.path.join(root, "step_00000002"))
     state = child_state(-1.0)
     with AsyncCheckpointer(root, config, no_dist=True) as again:
         assert again.load_latest(state) == 2
+        assert again.resume_report.source == "memory"
     assert state["step"] == 2 and all(bool((t == 2).all()) for t in state["w"].values())
