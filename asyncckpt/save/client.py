@@ -33,6 +33,7 @@ class WorkerClient:
         self.settings = settings
         self.start_timeout_s = start_timeout_s  # the bound on waits while the worker starts up
         self._process = None
+        self._stopping = None  # the process stop() is letting go of (signal_kill reaches it meanwhile)
         self._conn = None
         self._inbox: list = []
         self.ready = False  # the worker said Ready (its start-up is over)
@@ -78,9 +79,11 @@ class WorkerClient:
         self._process, self._conn, self._inbox = None, None, []
         if process is None:
             return
+        self._stopping = process
         try:
             self._stop(process, conn, timeout_s)
         finally:
+            self._stopping = None
             _drop_offered_fds(self._unfetched)  # a worker that is gone will never fetch them
             self._unfetched = set()
             free_released_cuda_blocks()  # it let go of our CUDA tensors before it exited
@@ -102,8 +105,10 @@ class WorkerClient:
             process.close()
 
     def signal_kill(self) -> None:
-        """SIGKILL the worker and return at once (Ctrl-C at exit; whoever waits on it sees it gone)."""
-        process = self._process
+        """SIGKILL the worker and return at once (Ctrl-C at exit; whoever waits on it sees it gone),
+        also while stop() waits for it to exit (a second Ctrl-C during close(): a worker that hangs
+        must not outlive the trainer)."""
+        process = self._process or self._stopping
         try:
             if process is not None and process.is_alive():
                 process.kill()

@@ -250,7 +250,37 @@ def test_a_second_ctrl_c_ends_at_once_and_the_last_committed_checkpoint_is_intac
     assert script.returncode == -signal.SIGINT, err  # ended by SIGINT, as a shell expects
     assert "Ctrl-C again" in err, err
     assert left == [], err
-    assert committed(root) == [1] and read_latest_marker(root) == "step_00000001"
+    # step 2's writes (4 MiB) may have ended before the worker was frozen: then close() committed
+    # it and was waiting for the worker to exit when the second Ctrl-C came
+    steps = committed(root)
+    assert steps in ([1], [1, 2]) and read_latest_marker(root) == f"step_{steps[-1]:08d}", (steps, err)
+
+
+COMMITTED_THEN_IDLE = STEP_2_STAGED.replace("print(ckpt.worker_pid", "ckpt.finalize(blocking=True)\nprint(ckpt.worker_pid")
+COMMITTED_THEN_IDLE += "import time\ntime.sleep(600)\n"
+
+
+def test_a_second_ctrl_c_while_close_stops_a_hung_worker_kills_it(tmp_path):
+    """Nothing in flight: the exit's close() asks the (frozen) worker to exit and waits up to 10 s.
+    A second Ctrl-C then ends the process at once and kills the worker: nothing of the script's
+    session is left (the kill once missed a worker that close() was letting go of)."""
+    root = str(tmp_path / "ckpt")
+    script = start(tmp_path, "idle", COMMITTED_THEN_IDLE, root)
+    worker = int(script.stdout.readline())
+    os.kill(worker, signal.SIGSTOP)
+    os.killpg(script.pid, signal.SIGINT)
+    time.sleep(1.5)
+    assert script.poll() is None  # close() waits for the worker to exit
+    os.killpg(script.pid, signal.SIGINT)
+    try:
+        script.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        print_stacks_then_kill(script)
+    left = _session_left(script.pid, 10.0)
+    _, err = script.communicate(timeout=30)
+    assert script.returncode == -signal.SIGINT and "Ctrl-C again" in err, err
+    assert left == [], err
+    assert committed(root) == [1, 2] and read_latest_marker(root) == "step_00000002"
 
 
 def test_worker_and_its_writers_ignore_sigint(ckpt_root):
