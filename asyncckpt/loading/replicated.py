@@ -5,9 +5,9 @@ same shards: the same (file, offset, length) read by k ranks is k times the stor
 The coordinator sees every rank's load plan (DCP's global plan step, `SafeReader.
 prepare_global_plan`): an item read by several ranks is *shared* by them; one of them, chosen so
 each reads about 1/k of the bytes, reads it (checking its checksum) and broadcasts it to the
-others (gloo; one broadcast per reading rank and group of ranks), which check the payload's
-length and CRC32C (and the sidecar's checksum when they have it). No user flag: the plans say
-which ranks read what.
+others, which check each item's length and CRC32C (and the sidecar's checksum when they have
+it): to the ranks of its own node through a file in shared memory (node_share.py), to those of
+other nodes point to point over gloo. No user flag: the plans say which ranks read what.
 
 Then every rank loads as before through `SharedSource`, which serves the shared items' bytes
 from memory and passes any other read to the storage. The shared bytes are held in host memory
@@ -19,21 +19,24 @@ the device targets).
 from __future__ import annotations
 
 import bisect
+import ctypes
+import uuid
 from contextlib import contextmanager
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from datetime import timedelta
 from typing import Callable, Iterator, Optional
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlan
 
 from ..errors import CheckpointError, PartialLoadError
-from ..formats import crc32c
-from .broadcast import LOAD_TIMEOUT_S, LoadGroup
+from ..formats import GIL_FREE_BYTES, crc32c
+from .broadcast import LoadGroup
 from .byte_sources import ByteSource
+from .node_share import MemoryPayload, open_payload, payload_name
 
 SHARED_BYTES_MAX = 4 << 30  # host memory a load may hold shared bytes in, per rank
 
@@ -51,9 +54,29 @@ class SharedItem:
 
 @dataclass(frozen=True)
 class ReadShares:
-    """The coordinator's verdict, sent to every rank with its plan (`LoadPlan.storage_data`)."""
+    """The coordinator's verdict, sent to every rank with its plan (`LoadPlan.storage_data`):
+    the shared items, every rank's node (node_share.node_key: what its local plan said) and the
+    load's id (it names the readers' files in shared memory)."""
 
     items: tuple[SharedItem, ...]
+    nodes: tuple[str, ...] = ()
+    nonce: str = ""
+
+    def same_node(self, a: int, b: int) -> bool:
+        return bool(self.nodes) and bool(self.nodes[a]) and self.nodes[a] == self.nodes[b]
+
+    def layout(self, reader: int) -> tuple[list[SharedItem], dict[SharedItem, int]]:
+        """The items `reader` reads, in order, and where each lies in its payload."""
+        items = [item for item in self.items if item.reader == reader]
+        at, where = 0, {}
+        for item in items:
+            where[item] = at
+            at += item.length
+        return items, where
+
+    def local_receivers(self, reader: int) -> bool:
+        return any(m != reader and self.same_node(m, reader) for item in self.items if item.reader == reader
+                   for m in item.members)
 
     def rounds(self) -> list[tuple[tuple[int, ...], int, list[SharedItem]]]:
         """(members, reader, its items) in the order every rank runs the broadcasts."""
@@ -82,38 +105,69 @@ def assign_shared_reads(plans: list[LoadPlan], metadata: Metadata, budget: int =
         shared.append(SharedItem(path, offset, length, reader, tuple(sorted(ranks))))
     if not shared:
         return plans
-    shares = ReadShares(tuple(sorted(shared, key=lambda s: (s.relative_path, s.offset))))
+    nodes = tuple(plan.storage_data if isinstance(plan.storage_data, str) else "" for plan in plans)
+    shares = ReadShares(tuple(sorted(shared, key=lambda s: (s.relative_path, s.offset))), nodes, uuid.uuid4().hex[:12])
     return [replace(plan, storage_data=shares) for plan in plans]
+
+
+@dataclass(frozen=True)
+class ReadOutcome:
+    """What a rank tells the others once it has read its share."""
+
+    error: Optional[str] = None
+    in_memory: bool = False  # its items are in its payload file (node_share.py) for the ranks of its node
+    crcs: tuple[int, ...] = ()  # CRC32C of each item it read, in `ReadShares.layout` order
 
 
 def share_reads(
     shares: ReadShares, group: LoadGroup, files: dict[str, str], source: ByteSource,
     expected_crc: Callable[[SharedItem], Optional[int]], checksum: Optional[Callable[[bytes], int]],
 ) -> "SharedSource":
-    """Read this rank's share of the shared items, broadcast every share to its ranks, and return
-    a source serving the items this rank needs from memory. A collective over `group`: every rank
-    calls it with the same `shares`. Nothing of the caller's state is written here."""
+    """Read this rank's share of the shared items, hand every share to its ranks (through shared
+    memory inside a node, gloo between nodes), and return a source serving the items this rank
+    needs from memory. A collective over `group`: every rank calls it with the same `shares`.
+    Nothing of the caller's state is written here."""
     me = group.rank
-    mine = [item for item in shares.items if item.reader == me]
-    error = None
-    got: dict[SharedItem, bytes] = {}
+    mine, where = shares.layout(me)
+    payload = None
+    if mine and shares.local_receivers(me):
+        payload = MemoryPayload.create(payload_name(shares.nonce, me), sum(item.length for item in mine))
     try:
-        got = _read_own(mine, files, source, expected_crc, checksum)
-    except CheckpointError as exc:
-        error = str(exc)
-    _exchange_errors(group, error)
-    for members, reader, items in shares.rounds():
-        if me not in members:
-            continue
-        pg = _subgroup(group, members)
-        got.update(_broadcast_round(items, reader, got, group, pg))
+        outcome, got = ReadOutcome(in_memory=payload is not None), {}
+        try:
+            got = _read_own(mine, files, source, expected_crc, checksum, payload, where)
+            outcome = replace(outcome, crcs=tuple(crc32c(got[item]) for item in mine))
+        except CheckpointError as exc:
+            outcome = replace(outcome, error=str(exc))
+        told = _exchange(group, outcome)
+        _raise_failures(group, [t.error for t in told])
+        by_memory = [(reader, items) for members, reader, items in shares.rounds()
+                     if told[reader].in_memory and me != reader and me in members and shares.same_node(me, reader)]
+        checked_later = lambda item: checksum is not None and expected_crc(item) is not None  # noqa: E731 (the load checks the sidecar's)
+        problem = None
+        try:
+            for reader, items in by_memory:
+                got.update(_from_memory(shares, reader, items, told[reader].crcs, checked_later))
+        except CheckpointError as exc:
+            problem = str(exc)
+        for members, reader, items in shares.rounds():  # between nodes (and from readers without a payload)
+            to = tuple(m for m in members if m != reader and not (told[reader].in_memory and shares.same_node(m, reader)))
+            if me in to or (me == reader and to):
+                got.update(_send_round(items, reader, got, group, to, checked_later))
+        if any(t.in_memory for t in told):  # every payload is mapped where it is needed: the files may go
+            _raise_failures(group, [t.error for t in _exchange(group, ReadOutcome(problem))])
+    finally:
+        if payload is not None:
+            payload.remove()
     return SharedSource(source, got, files)
 
 
-def _read_own(items, files, source, expected_crc, checksum) -> dict[SharedItem, bytes]:
-    """The items this rank reads for its group, each checked against its checksum."""
-    def read(item: SharedItem) -> bytes:
-        data = bytearray(item.length)
+def _read_own(items, files, source, expected_crc, checksum, payload: Optional[MemoryPayload],
+              where: dict[SharedItem, int]) -> dict[SharedItem, bytes]:
+    """The items this rank reads for its group (into its payload when it has one), each checked
+    against its checksum."""
+    def read(item: SharedItem):
+        data = payload.view(where[item], item.length) if payload is not None else bytearray(item.length)
         what = f"{files[item.relative_path]}: bytes {item.offset}..{item.offset + item.length}"
         try:
             source.read_into(files[item.relative_path], item.offset, [memoryview(data)], what)
@@ -122,53 +176,61 @@ def _read_own(items, files, source, expected_crc, checksum) -> dict[SharedItem, 
         expected = expected_crc(item)
         if checksum is not None and expected is not None and checksum(data) != expected:
             raise CheckpointError(f"{what}: checksum mismatch (expected {expected:08x})")
-        return bytes(data)
+        return data
     if not items:
         return {}
     with ThreadPoolExecutor(max_workers=source.threads, thread_name_prefix="asyncckpt-shared") as pool:
         return dict(zip(items, pool.map(read, items)))
 
 
-_subgroups: dict[tuple[int, tuple[int, ...]], object] = {}
+def _from_memory(shares: ReadShares, reader: int, items: list[SharedItem], crcs: tuple[int, ...],
+                 checked_later: Callable[[SharedItem], bool]) -> dict:
+    """A round's items from the payload of `reader` (a rank of this node), each checked: its
+    length, and its CRC32C unless the load checks the sidecar's checksum of it anyway."""
+    order, where = shares.layout(reader)
+    path = payload_name(shares.nonce, reader)
+    try:
+        view = open_payload(path, sum(item.length for item in order))
+    except OSError as exc:
+        raise CheckpointError(f"the items rank {reader} read could not be opened in shared memory ({exc})") from None
+    crc_of = dict(zip(order, crcs))
+    out = {}
+    for item in items:
+        data = view[where[item]:where[item] + item.length]
+        if len(data) != item.length or (not checked_later(item) and crc32c(data) != crc_of[item]):
+            raise CheckpointError(f"{item.relative_path}: bytes {item.offset}..{item.offset + item.length} read by "
+                                  f"rank {reader} arrived damaged (in {path})")
+        out[item] = data
+    return out
 
 
-def _subgroup(group: LoadGroup, members: tuple[int, ...]):
-    """The gloo group of `members` (ranks of `group`): the whole group, or one made for them once
-    (by the members only, each in the same order of rounds)."""
-    if len(members) == group.size:
-        return group.pg
-    key = (id(group.pg), members)
-    if key not in _subgroups:
-        ranks = [dist.get_global_rank(group.pg, r) for r in members]
-        _subgroups[key] = dist.new_group(ranks=ranks, backend="gloo", timeout=_timeout(group), use_local_synchronization=True)
-    return _subgroups[key]
-
-
-def _timeout(group: LoadGroup) -> timedelta:
-    return timedelta(seconds=LOAD_TIMEOUT_S)
-
-
-def _broadcast_round(items, reader, got, group: LoadGroup, pg) -> dict[SharedItem, bytes]:
-    """One reader's items to its group of ranks: one broadcast of their CRC32Cs, one of their bytes.
-    A receiver checks each item's length and CRC32C (and, as it loads, the sidecar's checksum)."""
+def _send_round(items, reader, got, group: LoadGroup, to: tuple[int, ...],
+                checked_later: Callable[[SharedItem], bool]) -> dict[SharedItem, bytes]:
+    """One reader's items to the ranks `to` (of other nodes), point to point over the load's gloo
+    group (no group is made for them): their CRC32Cs, then their bytes. A receiver checks each
+    item's length and its CRC32C, unless the load checks the sidecar's checksum of it anyway."""
     total = sum(item.length for item in items)
     src = dist.get_global_rank(group.pg, reader)
     if group.rank == reader:
         crcs = torch.tensor([crc32c(got[item]) for item in items], dtype=torch.int64)
         payload = torch.frombuffer(bytearray(b"".join(got[item] for item in items)) or bytearray(1), dtype=torch.uint8)
-    else:
-        crcs = torch.zeros(len(items), dtype=torch.int64)
-        payload = torch.empty(max(total, 1), dtype=torch.uint8)
-    _collective(lambda: dist.broadcast(crcs, src=src, group=pg), group, src)
-    if total:
-        _collective(lambda: dist.broadcast(payload, src=src, group=pg), group, src)
-    if group.rank == reader:
+        def send() -> None:
+            sent = [dist.isend(tensor, dst=dist.get_global_rank(group.pg, r), group=group.pg)
+                    for r in to for tensor in ((crcs, payload) if total else (crcs,))]
+            for work in sent:
+                work.wait()
+        _collective(send, group)
         return {}
+    crcs = torch.zeros(len(items), dtype=torch.int64)
+    payload = torch.empty(max(total, 1), dtype=torch.uint8)
+    _collective(lambda: dist.recv(crcs, src=src, group=group.pg), group, src)
+    if total:
+        _collective(lambda: dist.recv(payload, src=src, group=group.pg), group, src)
     view, at, out = memoryview(payload.numpy()), 0, {}
     for item, crc in zip(items, crcs.tolist()):
-        data = bytes(view[at:at + item.length])
+        data = view[at:at + item.length]  # (the payload lives as long as its views)
         at += item.length
-        if len(data) != item.length or crc32c(data) != crc:
+        if len(data) != item.length or (not checked_later(item) and crc32c(data) != crc):
             raise CheckpointError(
                 f"{item.relative_path}: bytes {item.offset}..{item.offset + item.length} sent by rank {src} arrived damaged"
             )
@@ -242,8 +304,20 @@ class SharedSource(ByteSource):
             else:
                 at = 0
                 for target in targets:
-                    target[:] = held[at:at + len(target)]
+                    _copy(target, held[at:at + len(target)])
                     at += len(target)
+
+
+def _copy(target: memoryview, source: memoryview) -> None:
+    """target[:] = source, the GIL released for a large copy (the loader's threads copy in parallel:
+    a slice assignment would hold it, and 512 MiB would be copied on one thread at a time)."""
+    if len(target) != len(source):
+        raise ValueError(f"copying {len(source)} bytes into {len(target)}")
+    if len(target) < GIL_FREE_BYTES:
+        target[:] = source
+    else:
+        ctypes.memmove(np.frombuffer(target, np.uint8).ctypes.data, np.frombuffer(source, np.uint8).ctypes.data,
+                       len(target))
 
 
 def _slice(buffers: list[memoryview], start: int, stop: int) -> list[memoryview]:
@@ -274,10 +348,20 @@ def failures_told(shares: Optional[ReadShares], group: Optional[LoadGroup]) -> I
         raise
 
 
-def _exchange_errors(group: LoadGroup, error: Optional[str]) -> None:
-    """Every rank's error (None: fine) on every rank; CheckpointError naming each rank that failed."""
-    errors: list[Optional[str]] = [None] * group.size
-    _collective(lambda: dist.all_gather_object(errors, error, group=group.pg), group)
+def _exchange(group: LoadGroup, mine):
+    """Every rank's `mine`, on every rank (one all_gather of small objects)."""
+    every: list = [None] * group.size
+    _collective(lambda: dist.all_gather_object(every, mine, group=group.pg), group)
+    return every
+
+
+def _raise_failures(group: LoadGroup, errors: list[Optional[str]]) -> None:
+    """CheckpointError naming each rank that failed, on every rank."""
     failed = [(r, e) for r, e in enumerate(errors) if e]
     if failed:
         raise CheckpointError("; ".join(f"rank {dist.get_global_rank(group.pg, r)}: {e}" for r, e in failed))
+
+
+def _exchange_errors(group: LoadGroup, error: Optional[str]) -> None:
+    """Every rank's error (None: fine) on every rank; CheckpointError naming each rank that failed."""
+    _raise_failures(group, [t.error for t in _exchange(group, ReadOutcome(error))])

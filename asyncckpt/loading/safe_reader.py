@@ -7,6 +7,8 @@ restricted unpickler and objects with `weights_only=True` (see safety.py). The p
 
 from __future__ import annotations
 
+import dataclasses
+
 import io
 import logging
 from typing import Any, Optional
@@ -26,6 +28,7 @@ from .byte_sources import LocalFiles, ObjectRanges
 from .opened import OpenCheckpoint, open_checkpoint, opened_with, read_metadata
 from .reader import ItemRead, fetch_items, place_items
 from .broadcast import LoadGroup
+from .node_share import node_key
 from .replicated import ReadShares, SharedItem, assign_shared_reads, failures_told, share_reads
 from .ring import check_ring_bytes
 from .safety import (
@@ -138,10 +141,12 @@ class SafeReader(StorageReader):
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         """DCP's plan phase, where an error on any rank is raised on every rank before anything is
-        read: the checksums parts of the files this rank will read are read here."""
+        read: the checksums parts of the files this rank will read are read here. Resume at scale:
+        the plan carries this rank's node to the coordinator (replicated.py shares through shared
+        memory inside a node)."""
         if self.sidecar is not None and self.sidecar.parts:
             self._load_parts_for({self.metadata.storage_data[req.storage_index].relative_path for req in plan.items})
-        return plan
+        return dataclasses.replace(plan, storage_data=node_key()) if self.shared_by is not None else plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         if self.shared_by is not None:  # resume at scale: items several ranks read, read once (replicated.py)

@@ -185,3 +185,63 @@ def test_hsdp_like_resume_reads_every_byte_once_per_job(tmp_path):
     counts = [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
     assert sum(c["data_bytes"] for c in counts) == stored_bytes(path), counts
     assert sum(c["metadata"] for c in counts) == 1, counts
+
+
+def _load_counting_paths(rank: int, world: int, path: str, out: str, nodes: str) -> None:
+    """Load as DDP does, counting the bytes each rank got through shared memory and through gloo.
+    `nodes`: "one" (every rank on this machine), "two" (ranks 0, 1 and 2, 3 told they are two
+    nodes) or "no room" (one node, but rank 0's /dev/shm cannot hold its payload)."""
+    import asyncckpt.loading.node_share as node_share
+    import asyncckpt.loading.replicated as replicated
+    import asyncckpt.loading.safe_reader as safe_reader
+
+    if nodes == "two":
+        safe_reader.node_key = lambda: f"node{rank // 2}"
+    if nodes == "no room" and rank == 0:
+        node_share.MemoryPayload.create = classmethod(lambda cls, p, size: None)
+        replicated.MemoryPayload = node_share.MemoryPayload
+    got = {"memory": 0, "gloo": 0}
+    from_memory, send_round = replicated._from_memory, replicated._send_round
+
+    def counted_from_memory(*args):
+        items = from_memory(*args)
+        got["memory"] += sum(len(v) for v in items.values())
+        return items
+
+    def counted_send(*args):
+        items = send_round(*args)
+        got["gloo"] += sum(len(v) for v in items.values())
+        return items
+
+    replicated._from_memory, replicated._send_round = counted_from_memory, counted_send
+    counter = ReadCounter()
+    expected = replicated_state()
+    state = zeroed(expected)
+    load(state, path)
+    assert_state_equal(state, expected)
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump({"got": got, "read": counter.take()["data_bytes"]}, f)
+
+
+@pytest.mark.parametrize("nodes", ["one", "two", "no room"])
+def test_ranks_of_one_node_share_through_shared_memory_and_other_nodes_through_gloo(tmp_path, nodes):
+    """Inside a node a reader's items go through a file in /dev/shm (no bytes through gloo), to
+    other nodes through gloo; a reader whose /dev/shm has no room sends through gloo. Every byte
+    is still read from storage once, the state is whole, and no payload file is left behind."""
+    path = saved_step_one(str(tmp_path / "root"), replicated_state())
+    out = tmp_path / "counts"
+    out.mkdir()
+    before = set(os.listdir("/dev/shm"))
+    run_ranks(_load_counting_paths, WORLD, path, str(out), nodes)
+    counts = [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    total = stored_bytes(path)
+    assert sum(c["read"] for c in counts) == total, counts
+    memory, gloo = sum(c["got"]["memory"] for c in counts), sum(c["got"]["gloo"] for c in counts)
+    shared = sum(c["got"]["memory"] + c["got"]["gloo"] for c in counts)
+    if nodes == "one":
+        assert gloo == 0 and memory == shared > 0, counts
+    elif nodes == "two":
+        assert memory > 0 and gloo > 0, counts
+    else:  # rank 0's share goes through gloo, the others' through memory
+        assert counts[0]["got"]["memory"] > 0 and gloo > 0 and memory > 0, counts
+    assert not [n for n in set(os.listdir("/dev/shm")) - before if n.startswith("asyncckpt-load-")]
