@@ -18,6 +18,8 @@ import os
 import socket
 from typing import Optional
 
+from ..memory_file import owner_alive
+
 SHM_DIR = "/dev/shm"
 
 
@@ -35,8 +37,29 @@ def node_key() -> str:
     return f"{boot}:{info.st_dev}:{info.st_ino}"
 
 
-def payload_name(nonce: str, reader: int) -> str:
-    return os.path.join(SHM_DIR, f"asyncckpt-load-{nonce}-r{reader}")
+PAYLOAD_PREFIX = "asyncckpt-load-"
+
+
+def payload_name(nonce: str, reader: int, pid: int) -> str:
+    """The payload file of rank `reader` (process `pid`) of the load `nonce`."""
+    return os.path.join(SHM_DIR, f"{PAYLOAD_PREFIX}{nonce}-r{reader}-p{pid}")
+
+
+def remove_stale_payloads() -> None:
+    """Payload files of this user whose process is gone (killed between creating and removing
+    its file): they would hold their bytes of /dev/shm until the machine restarts."""
+    try:
+        names = [n for n in os.listdir(SHM_DIR) if n.startswith(PAYLOAD_PREFIX)]
+    except OSError:
+        return
+    for name in names:
+        pid = name.rpartition("-p")[2]
+        path = os.path.join(SHM_DIR, name)
+        try:
+            if pid.isdigit() and not owner_alive(int(pid)) and os.stat(path).st_uid == os.geteuid():
+                os.unlink(path)
+        except OSError:
+            pass  # (removed meanwhile)
 
 
 class MemoryPayload:
@@ -58,6 +81,7 @@ class MemoryPayload:
     @classmethod
     def create(cls, path: str, size: int) -> Optional["MemoryPayload"]:
         """None when /dev/shm cannot hold it (the items then go by gloo)."""
+        remove_stale_payloads()
         try:
             return cls(path, size)
         except OSError:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import bisect
 import ctypes
+import os
 import uuid
 from contextlib import contextmanager
 from concurrent.futures import ThreadPoolExecutor
@@ -116,6 +117,7 @@ class ReadOutcome:
 
     error: Optional[str] = None
     in_memory: bool = False  # its items are in its payload file (node_share.py) for the ranks of its node
+    pid: int = 0  # (the payload file's name holds it: a file whose process is gone is removed later)
     crcs: tuple[int, ...] = ()  # CRC32C of each item it read, in `ReadShares.layout` order
 
 
@@ -131,9 +133,9 @@ def share_reads(
     mine, where = shares.layout(me)
     payload = None
     if mine and shares.local_receivers(me):
-        payload = MemoryPayload.create(payload_name(shares.nonce, me), sum(item.length for item in mine))
+        payload = MemoryPayload.create(payload_name(shares.nonce, me, os.getpid()), sum(item.length for item in mine))
     try:
-        outcome, got = ReadOutcome(in_memory=payload is not None), {}
+        outcome, got = ReadOutcome(in_memory=payload is not None, pid=os.getpid()), {}
         try:
             got = _read_own(mine, files, source, expected_crc, checksum, payload, where)
             outcome = replace(outcome, crcs=tuple(crc32c(got[item]) for item in mine))
@@ -147,7 +149,7 @@ def share_reads(
         problem = None
         try:
             for reader, items in by_memory:
-                got.update(_from_memory(shares, reader, items, told[reader].crcs, checked_later))
+                got.update(_from_memory(shares, reader, told[reader], items, checked_later))
         except CheckpointError as exc:
             problem = str(exc)
         for members, reader, items in shares.rounds():  # between nodes (and from readers without a payload)
@@ -183,12 +185,12 @@ def _read_own(items, files, source, expected_crc, checksum, payload: Optional[Me
         return dict(zip(items, pool.map(read, items)))
 
 
-def _from_memory(shares: ReadShares, reader: int, items: list[SharedItem], crcs: tuple[int, ...],
+def _from_memory(shares: ReadShares, reader: int, told: ReadOutcome, items: list[SharedItem],
                  checked_later: Callable[[SharedItem], bool]) -> dict:
     """A round's items from the payload of `reader` (a rank of this node), each checked: its
     length, and its CRC32C unless the load checks the sidecar's checksum of it anyway."""
     order, where = shares.layout(reader)
-    path = payload_name(shares.nonce, reader)
+    path, crcs = payload_name(shares.nonce, reader, told.pid), told.crcs
     try:
         view = open_payload(path, sum(item.length for item in order))
     except OSError as exc:

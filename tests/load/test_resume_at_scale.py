@@ -245,3 +245,31 @@ def test_ranks_of_one_node_share_through_shared_memory_and_other_nodes_through_g
     else:  # rank 0's share goes through gloo, the others' through memory
         assert counts[0]["got"]["memory"] > 0 and gloo > 0 and memory > 0, counts
     assert not [n for n in set(os.listdir("/dev/shm")) - before if n.startswith("asyncckpt-load-")]
+
+
+def test_a_payload_file_whose_process_is_gone_is_removed_by_the_next_reader(tmp_path, monkeypatch):
+    """A reader killed before it removed its /dev/shm file: the next load's reader removes it
+    (never the file of a process still running)."""
+    import asyncckpt.loading.node_share as node_share
+
+    monkeypatch.setattr(node_share, "SHM_DIR", str(tmp_path))
+    dead = subprocess_pid_that_exited()
+    stale = tmp_path / f"{node_share.PAYLOAD_PREFIX}abc-r1-p{dead}"
+    live = tmp_path / f"{node_share.PAYLOAD_PREFIX}abc-r2-p{os.getpid()}"
+    stale.write_bytes(b"x" * 100)
+    live.write_bytes(b"x" * 100)
+    payload = node_share.MemoryPayload.create(node_share.payload_name("def", 0, os.getpid()), 4096)
+    assert payload is not None
+    payload.view(0, 4)[:] = b"abcd"
+    assert bytes(node_share.open_payload(payload.path, 4096)[:4]) == b"abcd"
+    payload.remove()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [live.name]
+
+
+def subprocess_pid_that_exited() -> int:
+    import subprocess
+    import sys
+
+    process = subprocess.Popen([sys.executable, "-c", "pass"])
+    process.wait()
+    return process.pid
