@@ -6,15 +6,22 @@ reads an object store (msc://, s3://) with ranged GETs through the Storage (mult
 `read(path, byte_range=...)`), one GET per piece, copied into the targets: a rank reads only the
 items it needs, adjacent ones in one request, never a whole object it needs a part of.
 Both fill the buffers they are given completely or raise PartialLoadError naming the item.
+`SharedSource` answers from bytes held in memory where it holds them (resume at scale: items
+another rank read, replicated.py) and passes any other read on.
 """
 
 from __future__ import annotations
 
+import bisect
+import ctypes
 import os
 import threading
 from abc import ABC, abstractmethod
 
+import numpy as np
+
 from ..errors import CheckpointError, PartialLoadError
+from ..formats import GIL_FREE_BYTES
 from ..storage import Storage
 
 
@@ -140,3 +147,91 @@ class ObjectRanges(ByteSource):
         for buffer in buffers:
             buffer[:] = view[at:at + len(buffer)]
             at += len(buffer)
+
+
+class SharedSource(ByteSource):
+    """Reads served from the shared items' bytes where they cover them, from `base` elsewhere."""
+
+    def __init__(self, base: ByteSource, held: dict[tuple[str, int], bytes | memoryview]) -> None:
+        """`held`: the bytes held, by (file path, offset)."""
+        self.base = base
+        self.threads, self.piece_bytes = base.threads, base.piece_bytes
+        self.step_bytes, self.whole_item_bytes = base.step_bytes, base.whole_item_bytes
+        self._ranges: dict[str, list[tuple[int, int, bytes | memoryview]]] = {}
+        for (path, offset), data in held.items():
+            self._ranges.setdefault(path, []).append((offset, offset + len(data), data))
+        for ranges in self._ranges.values():
+            ranges.sort()
+        self._starts = {path: [r[0] for r in ranges] for path, ranges in self._ranges.items()}
+
+    def open(self, paths: set[str]) -> None:
+        self.base.open(paths)
+
+    def close(self) -> None:
+        self.base.close()
+
+    def _spans(self, path: str, offset: int, n: int):
+        """(start, end, bytes or None) covering [offset, offset + n): held bytes, or None for the storage's."""
+        ranges, starts = self._ranges.get(path, []), self._starts.get(path, [])
+        at, end = offset, offset + n
+        i = max(bisect.bisect_right(starts, at) - 1, 0)
+        while at < end:
+            while i < len(ranges) and ranges[i][1] <= at:
+                i += 1
+            if i < len(ranges) and ranges[i][0] <= at:
+                stop = min(end, ranges[i][1])
+                yield at, stop, memoryview(ranges[i][2])[at - ranges[i][0]:stop - ranges[i][0]]
+            else:
+                stop = min(end, ranges[i][0]) if i < len(ranges) else end
+                yield at, stop, None
+            at = stop
+
+    def read(self, path: str, offset: int, n: int) -> bytes:
+        out = bytearray()
+        for start, stop, held in self._spans(path, offset, n):
+            if held is not None:
+                out += held
+            else:
+                data = self.base.read(path, start, stop - start)
+                out += data
+                if len(data) < stop - start:
+                    break
+        return bytes(out)
+
+    def read_into(self, path: str, offset: int, buffers: list[memoryview], what: str) -> None:
+        flat = list(buffers)  # bytes ("B") views, as the reader makes them
+        total = sum(len(b) for b in flat)
+        for start, stop, held in self._spans(path, offset, total):
+            targets = _slice(flat, start - offset, stop - offset)
+            if held is None:
+                self.base.read_into(path, start, targets, what)
+            else:
+                at = 0
+                for target in targets:
+                    _copy(target, held[at:at + len(target)])
+                    at += len(target)
+
+
+def _copy(target: memoryview, source: memoryview) -> None:
+    """target[:] = source, the GIL released for a large copy (the loader's threads copy in parallel:
+    a slice assignment would hold it, and 512 MiB would be copied on one thread at a time)."""
+    if len(target) != len(source):
+        raise ValueError(f"copying {len(source)} bytes into {len(target)}")
+    if len(target) < GIL_FREE_BYTES:
+        target[:] = source
+    else:
+        ctypes.memmove(np.frombuffer(target, np.uint8).ctypes.data, np.frombuffer(source, np.uint8).ctypes.data,
+                       len(target))
+
+
+def _slice(buffers: list[memoryview], start: int, stop: int) -> list[memoryview]:
+    """The part [start, stop) of `buffers` laid end to end, as views."""
+    out, at = [], 0
+    for buffer in buffers:
+        lo, hi = max(start - at, 0), min(stop - at, len(buffer))
+        if lo < hi:
+            out.append(buffer[lo:hi])
+        at += len(buffer)
+        if at >= stop:
+            break
+    return out

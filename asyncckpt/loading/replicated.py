@@ -19,27 +19,29 @@ the device targets).
 from __future__ import annotations
 
 import bisect
-import ctypes
 import os
+import sys
 import uuid
 from contextlib import contextmanager
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Callable, Iterator, Optional
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlan
 
 from ..errors import CheckpointError, PartialLoadError
-from ..formats import GIL_FREE_BYTES, crc32c
+from ..formats import crc32c
 from .broadcast import LoadGroup
-from .byte_sources import ByteSource
+from .byte_sources import ByteSource, SharedSource
 from .node_share import MemoryPayload, open_payload, payload_name
 
 SHARED_BYTES_MAX = 4 << 30  # host memory a load may hold shared bytes in, per rank
+
+
+Ranks = range | tuple[int, ...]  # (a range where the ranks are evenly spaced: DDP's all, HSDP's replicas)
 
 
 @dataclass(frozen=True)
@@ -50,21 +52,28 @@ class SharedItem:
     offset: int
     length: int
     reader: int  # the rank of the load's group that reads it
-    members: tuple[int, ...]  # every rank of the group that needs it (the reader among them)
+    members: Ranks  # every rank of the group that needs it (the reader among them); one object per set
 
 
 @dataclass(frozen=True)
 class ReadShares:
     """The coordinator's verdict, sent to every rank with its plan (`LoadPlan.storage_data`):
-    the shared items, every rank's node (node_share.node_key: what its local plan said) and the
-    load's id (it names the readers' files in shared memory)."""
+    the shared items, every rank's node and the load's id (it names the readers' files in shared
+    memory). Its size does not grow with ranks x items: each set of members is one object (a
+    range where it can be), which every item refers to, and the nodes are runs of consecutive
+    ranks (`node_runs`: (first rank, node number); -1: a rank that shares no memory)."""
 
     items: tuple[SharedItem, ...]
-    nodes: tuple[str, ...] = ()
+    node_runs: tuple[tuple[int, int], ...] = ()
     nonce: str = ""
 
+    def node(self, rank: int) -> int:
+        at = bisect.bisect_right(self.node_runs, (rank, sys.maxsize)) - 1
+        return self.node_runs[at][1] if at >= 0 else -1
+
     def same_node(self, a: int, b: int) -> bool:
-        return bool(self.nodes) and bool(self.nodes[a]) and self.nodes[a] == self.nodes[b]
+        node = self.node(a)
+        return node >= 0 and node == self.node(b)
 
     def layout(self, reader: int) -> tuple[list[SharedItem], dict[SharedItem, int]]:
         """The items `reader` reads, in order, and where each lies in its payload."""
@@ -76,15 +85,15 @@ class ReadShares:
         return items, where
 
     def local_receivers(self, reader: int) -> bool:
-        return any(m != reader and self.same_node(m, reader) for item in self.items if item.reader == reader
-                   for m in item.members)
+        sets = {id(item.members): item.members for item in self.items if item.reader == reader}
+        return any(m != reader and self.same_node(m, reader) for members in sets.values() for m in members)
 
-    def rounds(self) -> list[tuple[tuple[int, ...], int, list[SharedItem]]]:
-        """(members, reader, its items) in the order every rank runs the broadcasts."""
-        grouped: dict[tuple[tuple[int, ...], int], list[SharedItem]] = {}
+    def rounds(self) -> list[tuple[Ranks, int, list[SharedItem]]]:
+        """(members, reader, its items) in the order every rank runs them (the items' order)."""
+        grouped: dict[tuple[Ranks, int], list[SharedItem]] = {}
         for item in self.items:
             grouped.setdefault((item.members, item.reader), []).append(item)
-        return [(members, reader, grouped[(members, reader)]) for members, reader in sorted(grouped)]
+        return [(members, reader, items) for (members, reader), items in grouped.items()]
 
 
 def assign_shared_reads(plans: list[LoadPlan], metadata: Metadata, budget: int = SHARED_BYTES_MAX) -> list[LoadPlan]:
@@ -96,19 +105,42 @@ def assign_shared_reads(plans: list[LoadPlan], metadata: Metadata, budget: int =
             readers_of.setdefault((info.relative_path, info.offset, info.length), set()).add(rank)
     load: dict[int, int] = {}  # bytes each rank reads for others so far
     shared: list[SharedItem] = []
+    sets: dict[tuple[int, ...], Ranks] = {}
     held = 0
     for (path, offset, length), ranks in sorted(readers_of.items(), key=lambda kv: -kv[0][2]):
         if len(ranks) < 2 or held + length > budget:
             continue
-        reader = min(sorted(ranks), key=lambda r: load.get(r, 0))  # spread: ~1/k of the bytes each
+        members = tuple(sorted(ranks))
+        reader = min(members, key=lambda r: load.get(r, 0))  # spread: ~1/k of the bytes each
         load[reader] = load.get(reader, 0) + length
         held += length
-        shared.append(SharedItem(path, offset, length, reader, tuple(sorted(ranks))))
+        shared.append(SharedItem(path, offset, length, reader, sets.setdefault(members, _compact(members))))
     if not shared:
         return plans
-    nodes = tuple(plan.storage_data if isinstance(plan.storage_data, str) else "" for plan in plans)
-    shares = ReadShares(tuple(sorted(shared, key=lambda s: (s.relative_path, s.offset))), nodes, uuid.uuid4().hex[:12])
+    shares = ReadShares(tuple(sorted(shared, key=lambda s: (s.relative_path, s.offset))), _node_runs(plans),
+                        uuid.uuid4().hex[:12])
     return [replace(plan, storage_data=shares) for plan in plans]
+
+
+def _compact(members: tuple[int, ...]) -> Ranks:
+    """A range when the ranks are evenly spaced (a few bytes pickled, not one per rank)."""
+    step = members[1] - members[0]
+    if step > 0 and all(b - a == step for a, b in zip(members, members[1:])):
+        return range(members[0], members[-1] + 1, step)
+    return members
+
+
+def _node_runs(plans: list[LoadPlan]) -> tuple[tuple[int, int], ...]:
+    """Every rank's node (what its local plan said: node_share.node_key) as runs of consecutive
+    ranks on one node, the nodes numbered; "" (no shared memory) is -1."""
+    numbers: dict[str, int] = {}
+    runs: list[tuple[int, int]] = []
+    for rank, plan in enumerate(plans):
+        key = plan.storage_data if isinstance(plan.storage_data, str) else ""
+        node = numbers.setdefault(key, len(numbers)) if key else -1
+        if not runs or runs[-1][1] != node:
+            runs.append((rank, node))
+    return tuple(runs)
 
 
 @dataclass(frozen=True)
@@ -161,7 +193,7 @@ def share_reads(
     finally:
         if payload is not None:
             payload.remove()
-    return SharedSource(source, got, files)
+    return SharedSource(source, {(files[item.relative_path], item.offset): data for item, data in got.items()})
 
 
 def _read_own(items, files, source, expected_crc, checksum, payload: Optional[MemoryPayload],
@@ -246,93 +278,6 @@ def _collective(run: Callable[[], object], group: LoadGroup, src: Optional[int] 
     except Exception as exc:  # gloo: a peer gone, or the group's timeout
         who = f" from rank {src}" if src is not None else ""
         raise CheckpointError(f"sharing replicated reads{who} failed ({type(exc).__name__}: {exc})") from None
-
-
-class SharedSource(ByteSource):
-    """Reads served from the shared items' bytes where they cover them, from `base` elsewhere."""
-
-    def __init__(self, base: ByteSource, got: dict[SharedItem, bytes], files: dict[str, str]) -> None:
-        self.base = base
-        self.threads, self.piece_bytes = base.threads, base.piece_bytes
-        self.step_bytes, self.whole_item_bytes = base.step_bytes, base.whole_item_bytes
-        self._ranges: dict[str, list[tuple[int, int, bytes]]] = {}
-        for item, data in got.items():
-            self._ranges.setdefault(files[item.relative_path], []).append((item.offset, item.offset + item.length, data))
-        for ranges in self._ranges.values():
-            ranges.sort()
-        self._starts = {path: [r[0] for r in ranges] for path, ranges in self._ranges.items()}
-
-    def open(self, paths: set[str]) -> None:
-        self.base.open(paths)
-
-    def close(self) -> None:
-        self.base.close()
-
-    def _spans(self, path: str, offset: int, n: int):
-        """(start, end, bytes or None) covering [offset, offset + n): held bytes, or None for the storage's."""
-        ranges, starts = self._ranges.get(path, []), self._starts.get(path, [])
-        at, end = offset, offset + n
-        i = max(bisect.bisect_right(starts, at) - 1, 0)
-        while at < end:
-            while i < len(ranges) and ranges[i][1] <= at:
-                i += 1
-            if i < len(ranges) and ranges[i][0] <= at:
-                stop = min(end, ranges[i][1])
-                yield at, stop, memoryview(ranges[i][2])[at - ranges[i][0]:stop - ranges[i][0]]
-            else:
-                stop = min(end, ranges[i][0]) if i < len(ranges) else end
-                yield at, stop, None
-            at = stop
-
-    def read(self, path: str, offset: int, n: int) -> bytes:
-        out = bytearray()
-        for start, stop, held in self._spans(path, offset, n):
-            if held is not None:
-                out += held
-            else:
-                data = self.base.read(path, start, stop - start)
-                out += data
-                if len(data) < stop - start:
-                    break
-        return bytes(out)
-
-    def read_into(self, path: str, offset: int, buffers: list[memoryview], what: str) -> None:
-        flat = list(buffers)  # bytes ("B") views, as the reader makes them
-        total = sum(len(b) for b in flat)
-        for start, stop, held in self._spans(path, offset, total):
-            targets = _slice(flat, start - offset, stop - offset)
-            if held is None:
-                self.base.read_into(path, start, targets, what)
-            else:
-                at = 0
-                for target in targets:
-                    _copy(target, held[at:at + len(target)])
-                    at += len(target)
-
-
-def _copy(target: memoryview, source: memoryview) -> None:
-    """target[:] = source, the GIL released for a large copy (the loader's threads copy in parallel:
-    a slice assignment would hold it, and 512 MiB would be copied on one thread at a time)."""
-    if len(target) != len(source):
-        raise ValueError(f"copying {len(source)} bytes into {len(target)}")
-    if len(target) < GIL_FREE_BYTES:
-        target[:] = source
-    else:
-        ctypes.memmove(np.frombuffer(target, np.uint8).ctypes.data, np.frombuffer(source, np.uint8).ctypes.data,
-                       len(target))
-
-
-def _slice(buffers: list[memoryview], start: int, stop: int) -> list[memoryview]:
-    """The part [start, stop) of `buffers` laid end to end, as views."""
-    out, at = [], 0
-    for buffer in buffers:
-        lo, hi = max(start - at, 0), min(stop - at, len(buffer))
-        if lo < hi:
-            out.append(buffer[lo:hi])
-        at += len(buffer)
-        if at >= stop:
-            break
-    return out
 
 
 @contextmanager

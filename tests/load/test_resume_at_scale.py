@@ -273,3 +273,32 @@ def subprocess_pid_that_exited() -> int:
     process = subprocess.Popen([sys.executable, "-c", "pass"])
     process.wait()
     return process.pid
+
+
+@pytest.mark.parametrize("layout", ["ddp", "hsdp"])
+def test_the_plans_stay_small_at_thousands_of_ranks(layout):
+    """The shared reads ride on every rank's plan, which the coordinator sends each rank: their
+    size must not grow as ranks x items (DDP at 4,096 ranks and 300 items would be ~4 MB per rank
+    and 16 GB from the coordinator). Members are ranges, nodes runs of consecutive ranks."""
+    import pickle
+    from types import SimpleNamespace
+
+    from torch.distributed.checkpoint.planner import LoadPlan
+
+    from asyncckpt.loading.replicated import assign_shared_reads
+
+    ranks, items, per_node, shards = 4096, 300, 8, 16
+    storage = {i: SimpleNamespace(relative_path=f"__{i % 64}_0.distcp", offset=i * 4096, length=4096) for i in range(items)}
+    def wanted(rank: int) -> list:  # DDP: every item; HSDP: the items of this rank's shard
+        return [i for i in range(items) if layout == "ddp" or i % shards == rank % shards]
+    plans = [LoadPlan(items=[SimpleNamespace(storage_index=i) for i in wanted(r)], storage_data=f"node{r // per_node}")
+             for r in range(ranks)]
+    planned = assign_shared_reads(plans, SimpleNamespace(storage_data=storage))
+    shares = planned[0].storage_data
+    assert len(shares.items) == items
+    assert len(pickle.dumps(planned[123])) < 64 * 1024, len(pickle.dumps(planned[123]))
+    assert shares.same_node(8, 15) and not shares.same_node(7, 8)
+    readers = {item.reader for item in shares.items}
+    assert len(readers) == items  # spread: one item each
+    item = shares.items[5]
+    assert item.reader in item.members and len(item.members) == (ranks if layout == "ddp" else ranks // shards)
