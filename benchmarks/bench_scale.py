@@ -10,6 +10,8 @@ receives and the coordinator receives, `.metadata` size and time to write and re
 coordinator memory (tracemalloc; at the smallest rank count only, it triples the run time), files
 per checkpoint directory and S3 requests per save. Rank counts too large to run in pure Python
 here are extrapolated along a least-squares line (marked ~ in the table; docs/benchmark.md, "Scale").
+The restart rows (scalesim/restart.py): opening that checkpoint again at the same rank counts,
+asyncckpt's load (one read of `.metadata`, shared reads planned) against stock dcp.load's.
 
     python benchmarks/bench_scale.py --out bench_out/bench_scale.json --plot bench_out/bench_scale.png
     python benchmarks/bench_scale.py --shapes "7B FSDP,7B DDP" --ranks 8,16 --no-memory
@@ -27,8 +29,10 @@ from dataclasses import asdict
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from asyncckpt.layout import step_dir_name  # noqa: E402
 from scalesim.measure import measure  # noqa: E402
 from scalesim.report import exponents, extrapolate, plot, steady_table, table, write_table  # noqa: E402
+from scalesim.restart import RANKS_PER_NODE, restart_fits, restart_rows, restart_table  # noqa: E402
 from scalesim.shapes import LLAMA_7B, LLAMA_70B, LLAMA_70B_ONE_LAYER, TINY, JobShape  # noqa: E402
 from scalesim.write_cost import write_cost  # noqa: E402
 
@@ -64,7 +68,7 @@ def main(argv=None) -> int:
     if unknown:
         parser.error(f"unknown shape(s) {unknown}; known: {list(SHAPES)}")
     targets = [int(n) for n in args.targets.split(",") if n]
-    rows, started = [], time.perf_counter()
+    rows, restarts, started = [], [], time.perf_counter()
     with tempfile.TemporaryDirectory(dir=args.workdir) as workdir:
         for name in names:
             counts = [int(n) for n in args.ranks.split(",") if n] or DEFAULT_RANKS.get(name, (2, 4))
@@ -76,6 +80,7 @@ def main(argv=None) -> int:
                     for row, with_peak in zip(measured, traced):
                         row.peak_mib = with_peak.peak_mib
                 rows += measured
+                restarts += restart_rows(SHAPES[name], n, os.path.join(workdir, "asyncckpt", step_dir_name(3)))
         steady = []
         for n in [int(n) for n in args.steady_ranks.split(",") if n]:
             print(f"[{time.perf_counter() - started:6.0f}s] {STEADY_SHAPE.name} x {n} ranks (steady commit)",
@@ -91,6 +96,13 @@ def main(argv=None) -> int:
     if beyond:
         print("\nExtrapolated (least-squares line over the measured rank counts):")
         print(table(beyond, extrapolated=True))
+    if restarts:
+        print("\nThe restart: opening the checkpoint just written (its step 3), asyncckpt's load against stock "
+              f"dcp.load ({RANKS_PER_NODE} ranks per node); the growth exponent of what the coordinator does and sends:")
+        print(restart_table(restarts))
+        for (shape, method), (plan_fit, sent_fit) in restart_fits(restarts).items():
+            print(f"  {shape}, {method}: coordinator plans ~ ranks^{plan_fit.exponent:.2f}, "
+                  f"sends ~ ranks^{sent_fit.exponent:.2f}" if plan_fit and sent_fit else f"  {shape}, {method}: one count")
     if steady:
         print(f"\nA steady save at many ranks, run for real ({STEADY_SHAPE.name}: the per-rank part of it does not "
               "depend on the tensors; CPU and wall seconds):")
@@ -102,7 +114,8 @@ def main(argv=None) -> int:
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
-            json.dump({"rows": [asdict(r) for r in rows], "extrapolated": beyond, "growth_exponents": exponents(rows),
+            json.dump({"rows": [asdict(r) for r in rows], "restart": [asdict(r) for r in restarts],
+                       "extrapolated": beyond, "growth_exponents": exponents(rows),
                        "steady_at_scale": [asdict(r) for r in steady],
                        "metadata_write_cost": [dict(asdict(c), cpu_s_per_gib=c.cpu_s_per_gib,
                                                     wall_s_per_gib=c.wall_s_per_gib) for c in costs],

@@ -175,21 +175,21 @@ def share_reads(
             outcome = replace(outcome, error=str(exc))
         told = _exchange(group, outcome)
         _raise_failures(group, [t.error for t in told])
-        by_memory = [(reader, items) for members, reader, items in shares.rounds()
-                     if told[reader].in_memory and me != reader and me in members and shares.same_node(me, reader)]
         checked_later = lambda item: checksum is not None and expected_crc(item) is not None  # noqa: E731 (the load checks the sidecar's)
-        problem = None
-        try:
-            for reader, items in by_memory:
-                got.update(_from_memory(shares, reader, told[reader], items, checked_later))
-        except CheckpointError as exc:
-            problem = str(exc)
-        for members, reader, items in shares.rounds():  # between nodes (and from readers without a payload)
-            to = tuple(m for m in members if m != reader and not (told[reader].in_memory and shares.same_node(m, reader)))
-            if me in to or (me == reader and to):
-                got.update(_send_round(items, reader, got, group, to, checked_later))
-        if any(t.in_memory for t in told):  # every payload is mapped where it is needed: the files may go
-            _raise_failures(group, [t.error for t in _exchange(group, ReadOutcome(problem))])
+        problems = []
+        for members, reader, items in shares.rounds():  # inside this node first: no rank waits on another for them
+            if told[reader].in_memory and me != reader and me in members and shares.same_node(me, reader):
+                _receive(got, problems, lambda: _from_memory(shares, reader, told[reader], items, checked_later))
+        for members, reader, items in shares.rounds():  # then other nodes (and readers without a payload)
+            by_gloo = lambda m: not (told[reader].in_memory and shares.same_node(m, reader))  # noqa: E731
+            if me == reader:
+                to = tuple(m for m in members if m != reader and by_gloo(m))
+                if to:
+                    _send_round(items, reader, got, group, to)
+            elif me in members and by_gloo(me):
+                _receive(got, problems, lambda: _receive_round(items, reader, group, checked_later))
+        # a damaged item stops every rank (none waits on this one in a later round); the payload files may go now
+        _raise_failures(group, [t.error for t in _exchange(group, ReadOutcome("; ".join(problems) or None))])
     finally:
         if payload is not None:
             payload.remove()
@@ -226,35 +226,58 @@ def _from_memory(shares: ReadShares, reader: int, told: ReadOutcome, items: list
     try:
         view = open_payload(path, sum(item.length for item in order))
     except OSError as exc:
-        raise CheckpointError(f"the items rank {reader} read could not be opened in shared memory ({exc})") from None
+        raise Damaged(f"the items rank {reader} read could not be opened in shared memory ({exc})") from None
     crc_of = dict(zip(order, crcs))
     out = {}
     for item in items:
         data = view[where[item]:where[item] + item.length]
-        if len(data) != item.length or (not checked_later(item) and crc32c(data) != crc_of[item]):
-            raise CheckpointError(f"{item.relative_path}: bytes {item.offset}..{item.offset + item.length} read by "
-                                  f"rank {reader} arrived damaged (in {path})")
+        _check(item, data, crc_of[item], checked_later, f"read by rank {reader} (in {path})")
         out[item] = data
     return out
 
 
-def _send_round(items, reader, got, group: LoadGroup, to: tuple[int, ...],
-                checked_later: Callable[[SharedItem], bool]) -> dict[SharedItem, bytes]:
-    """One reader's items to the ranks `to` (of other nodes), point to point over the load's gloo
-    group (no group is made for them): their CRC32Cs, then their bytes. A receiver checks each
-    item's length and its CRC32C, unless the load checks the sidecar's checksum of it anyway."""
+class Damaged(CheckpointError):
+    """An item another rank read arrived with another length or CRC32C."""
+
+
+def _receive(got: dict, problems: list[str], receive: Callable[[], dict]) -> None:
+    """`receive()`'s items into `got`; a damaged one into `problems` (this rank goes on taking
+    part in the other rounds, and the last exchange stops every rank)."""
+    try:
+        got.update(receive())
+    except Damaged as exc:
+        problems.append(str(exc))
+
+
+def _check(item: SharedItem, data, crc: Optional[int], checked_later: Callable[[SharedItem], bool], whence: str) -> None:
+    if len(data) != item.length or (not checked_later(item) and crc32c(data) != crc):
+        raise Damaged(f"{item.relative_path}: bytes {item.offset}..{item.offset + item.length} {whence} arrived damaged")
+
+
+def _send_round(items, reader, got, group: LoadGroup, to: tuple[int, ...]) -> None:
+    """The reader's side of a round to ranks `to` (of other nodes): point to point over the load's
+    gloo group (no group is made for them), the items' CRC32Cs, then their bytes."""
+    total = sum(item.length for item in items)
+    crcs = torch.tensor([crc32c(got[item]) for item in items], dtype=torch.int64)
+    payload = torch.empty(max(total, 1), dtype=torch.uint8)
+    view, at = memoryview(payload.numpy()), 0
+    for item in items:
+        view[at:at + item.length] = got[item]
+        at += item.length
+
+    def send() -> None:
+        sent = [dist.isend(tensor, dst=dist.get_global_rank(group.pg, r), group=group.pg)
+                for r in to for tensor in ((crcs, payload) if total else (crcs,))]
+        for work in sent:
+            work.wait()
+    _collective(send, group)
+
+
+def _receive_round(items, reader, group: LoadGroup, checked_later: Callable[[SharedItem], bool]) -> dict:
+    """A receiver's side of `_send_round`: each item checked, its length and its CRC32C (unless
+    the load checks the sidecar's checksum of it anyway)."""
     total = sum(item.length for item in items)
     src = dist.get_global_rank(group.pg, reader)
-    if group.rank == reader:
-        crcs = torch.tensor([crc32c(got[item]) for item in items], dtype=torch.int64)
-        payload = torch.frombuffer(bytearray(b"".join(got[item] for item in items)) or bytearray(1), dtype=torch.uint8)
-        def send() -> None:
-            sent = [dist.isend(tensor, dst=dist.get_global_rank(group.pg, r), group=group.pg)
-                    for r in to for tensor in ((crcs, payload) if total else (crcs,))]
-            for work in sent:
-                work.wait()
-        _collective(send, group)
-        return {}
     crcs = torch.zeros(len(items), dtype=torch.int64)
     payload = torch.empty(max(total, 1), dtype=torch.uint8)
     _collective(lambda: dist.recv(crcs, src=src, group=group.pg), group, src)
@@ -264,10 +287,7 @@ def _send_round(items, reader, got, group: LoadGroup, to: tuple[int, ...],
     for item, crc in zip(items, crcs.tolist()):
         data = view[at:at + item.length]  # (the payload lives as long as its views)
         at += item.length
-        if len(data) != item.length or (not checked_later(item) and crc32c(data) != crc):
-            raise CheckpointError(
-                f"{item.relative_path}: bytes {item.offset}..{item.offset + item.length} sent by rank {src} arrived damaged"
-            )
+        _check(item, data, crc, checked_later, f"sent by rank {src}")
         out[item] = data
     return out
 

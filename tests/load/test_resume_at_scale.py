@@ -201,19 +201,19 @@ def _load_counting_paths(rank: int, world: int, path: str, out: str, nodes: str)
         node_share.MemoryPayload.create = classmethod(lambda cls, p, size: None)
         replicated.MemoryPayload = node_share.MemoryPayload
     got = {"memory": 0, "gloo": 0}
-    from_memory, send_round = replicated._from_memory, replicated._send_round
+    from_memory, receive_round = replicated._from_memory, replicated._receive_round
 
     def counted_from_memory(*args):
         items = from_memory(*args)
         got["memory"] += sum(len(v) for v in items.values())
         return items
 
-    def counted_send(*args):
-        items = send_round(*args)
+    def counted_receive(*args):
+        items = receive_round(*args)
         got["gloo"] += sum(len(v) for v in items.values())
         return items
 
-    replicated._from_memory, replicated._send_round = counted_from_memory, counted_send
+    replicated._from_memory, replicated._receive_round = counted_from_memory, counted_receive
     counter = ReadCounter()
     expected = replicated_state()
     state = zeroed(expected)
@@ -273,6 +273,35 @@ def subprocess_pid_that_exited() -> int:
     process = subprocess.Popen([sys.executable, "-c", "pass"])
     process.wait()
     return process.pid
+
+
+def _one_rank_gets_a_damaged_item(rank: int, world: int, path: str, out: str, nodes: str) -> None:
+    import asyncckpt.loading.replicated as replicated
+    import asyncckpt.loading.safe_reader as safe_reader
+
+    if nodes == "two":
+        safe_reader.node_key = lambda: f"node{rank // 2}"
+    if rank == 3:
+        def damaged(item, data, crc, checked_later, whence):
+            raise replicated.Damaged(f"{item.relative_path}: {whence} arrived damaged")
+        replicated._check = damaged
+    started = time.monotonic()
+    with pytest.raises(CheckpointError, match="rank 3: .* arrived damaged"):
+        load(zeroed(replicated_state()), path)
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump({"raised_after_s": time.monotonic() - started}, f)
+
+
+def test_an_item_that_arrives_damaged_fails_every_rank_at_once(tmp_path):
+    """A rank that gets a damaged item (rank 3, two nodes: through shared memory from rank 2, by
+    gloo from ranks 0 and 1) goes on taking part, and the exchange that ends the sharing fails
+    every rank, naming it: none waits for a timeout."""
+    path = saved_step_one(str(tmp_path / "root"), replicated_state())
+    out = tmp_path / "raised"
+    out.mkdir()
+    run_ranks(_one_rank_gets_a_damaged_item, WORLD, path, str(out), "two", timeout_s=180)
+    raised = [json.loads((out / f"rank{r}.json").read_text())["raised_after_s"] for r in range(WORLD)]
+    assert max(raised) < 30, raised
 
 
 @pytest.mark.parametrize("layout", ["ddp", "hsdp"])
