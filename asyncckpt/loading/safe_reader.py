@@ -29,7 +29,7 @@ from .opened import OpenCheckpoint, open_checkpoint, opened_with, read_metadata
 from .reader import ItemRead, fetch_items, place_items
 from .broadcast import LoadGroup
 from .node_share import node_key
-from .replicated import ReadShares, SharedItem, assign_shared_reads, failures_told, share_reads
+from .replicated import ReadShares, SharedItem, assign_shared_reads, failures_told, plan_note, share_reads
 from .ring import check_ring_bytes
 from .safety import (
     TRUST_HINT, check_ranges, load_object, load_tensor, raw_tensor, refused_globals, refused_objects_text,
@@ -146,7 +146,7 @@ class SafeReader(StorageReader):
         memory inside a node)."""
         if self.sidecar is not None and self.sidecar.parts:
             self._load_parts_for({self.metadata.storage_data[req.storage_index].relative_path for req in plan.items})
-        return dataclasses.replace(plan, storage_data=node_key()) if self.shared_by is not None else plan
+        return dataclasses.replace(plan, storage_data=plan_note(plan, node_key())) if self.shared_by is not None else plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         if self.shared_by is not None:  # resume at scale: items several ranks read, read once (replicated.py)

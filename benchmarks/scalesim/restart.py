@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadIte
 
 from asyncckpt.layout import METADATA_FILE
 from asyncckpt.loading.opened import opened_from_bytes
-from asyncckpt.loading.replicated import assign_shared_reads
+from asyncckpt.loading.replicated import assign_shared_reads, plan_note
 from asyncckpt.storage import storage_for
 
 from .report import fit
@@ -70,7 +70,8 @@ def restart_rows(shape: JobShape, ranks: int, step_dir: str) -> list[RestartRow]
     dcp_plan_s = time.process_time() - started
     dcp_sent = [len(pickle.dumps(plan)) for plan in dcp_plans]
 
-    ours_in = [LoadPlan(plan.items, storage_data=f"node{rank // RANKS_PER_NODE}") for rank, plan in enumerate(plans)]
+    ours_in = [LoadPlan(plan.items, storage_data=plan_note(plan, f"node{rank // RANKS_PER_NODE}"))  # (each rank's own)
+               for rank, plan in enumerate(plans)]
     gc.collect()
     started = time.process_time()
     our_plans = assign_shared_reads(create_default_global_load_plan(ours_in), metadata)
