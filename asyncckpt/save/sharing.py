@@ -8,6 +8,7 @@ import ctypes
 import itertools
 import logging
 import os
+import re
 import resource
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -18,6 +19,7 @@ import torch
 import torch.multiprocessing
 
 from ..errors import CheckpointError
+from ..memory_file import owner_alive
 from .subclasses import local_tensor
 
 log = logging.getLogger(__name__)
@@ -27,6 +29,8 @@ SHM_HEADROOM_BYTES = 1 << 20  # left free for tmpfs bookkeeping and other users
 _PAGE = 4096
 FD_HEADROOM = 64  # descriptors kept spare beyond those the shared storages will hold
 _SEGMENTS = itertools.count()  # names this process's segment files apart (each unlinked at once)
+_SEGMENT_NAME = re.compile(r"asyncckpt-(\d+)-\d+-\d+")  # (pid, thread, count)
+_SWEPT: set[str] = set()  # the folders whose orphaned segment names this process removed
 
 
 @dataclass
@@ -155,6 +159,7 @@ def shared_segment(nbytes: int, path: str = SHM_DIR) -> torch.UntypedStorage:
     if (nbytes == 0 or torch.multiprocessing.get_sharing_strategy() != "file_descriptor"
             or not hasattr(torch.UntypedStorage, "_new_shared_fd_cpu")):
         return torch.UntypedStorage._new_shared(nbytes)
+    _remove_orphaned_names(path)
     name = os.path.join(path, f"asyncckpt-{os.getpid()}-{threading.get_ident()}-{next(_SEGMENTS)}")
     fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
@@ -164,6 +169,28 @@ def shared_segment(nbytes: int, path: str = SHM_DIR) -> torch.UntypedStorage:
         return torch.UntypedStorage._new_shared_fd_cpu(fd, nbytes)  # (it keeps a descriptor of its own)
     finally:
         os.close(fd)
+
+
+def _remove_orphaned_names(path: str) -> None:
+    """A segment's name lives for a moment (created, then unlinked at once); a process killed in
+    that moment leaves it behind, empty, for good. Once per process and folder, the names of
+    processes that are gone are removed (only this user's)."""
+    if path in _SWEPT:
+        return
+    _SWEPT.add(path)
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return
+    for name in names:
+        match = _SEGMENT_NAME.fullmatch(name)
+        if match is None or owner_alive(int(match.group(1))):
+            continue
+        try:
+            if os.stat(os.path.join(path, name), follow_symlinks=False).st_uid == os.geteuid():
+                os.unlink(os.path.join(path, name))
+        except OSError:
+            pass  # (removed meanwhile)
 
 
 def new_reserved_shared(nbytes: int, path: str = SHM_DIR) -> torch.UntypedStorage:

@@ -41,3 +41,28 @@ def test_a_segment_larger_than_a_full_dev_shm_is_a_checkpoint_error_not_sigbus()
     assert len(lines) == 2, done.stdout
     for strategy, line in zip(("file_descriptor", "file_system"), lines):
         assert line.startswith(f"{strategy} refused:") and "/dev/shm" in line and "104857600 bytes" in line, line
+
+
+def test_segment_names_left_by_killed_processes_are_removed(tmp_path, monkeypatch):
+    """A segment's name exists for a moment before it is unlinked; a trainer killed then leaves it
+    in /dev/shm for good. The next process to make a segment there removes the names of processes
+    that are gone, and nothing else."""
+    import os
+
+    import torch
+
+    import asyncckpt.save.sharing as sharing
+
+    if torch.multiprocessing.get_sharing_strategy() != "file_descriptor":
+        pytest.skip("segments are torch's own under this sharing strategy")
+    monkeypatch.setattr(sharing, "_SWEPT", set())
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    left = tmp_path / f"asyncckpt-{gone.pid}-140000000000-0"
+    mine = tmp_path / f"asyncckpt-{os.getpid()}-140000000000-7"  # (a live process's: being created now)
+    tier = tmp_path / "asyncckpt-root-0123456789-rank0.slab"  # the memory tier's: not a segment
+    for path in (left, mine, tier):
+        path.write_bytes(b"")
+    segment = sharing.shared_segment(4096, str(tmp_path))
+    assert segment.nbytes() == 4096
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([mine.name, tier.name])
