@@ -355,6 +355,13 @@ def call_when_waiting(thread_id: int, function: str, action, timeout_s: float = 
     return helper
 
 
+def pid_of_an_exited_process() -> int:
+    """The pid of a process that has exited (and been reaped): what a stale file names."""
+    process = subprocess.Popen([sys.executable, "-c", "pass"])
+    process.wait()
+    return process.pid
+
+
 def wait_gone(pid: int, timeout_s: float) -> float:
     """Seconds until `pid` is gone (a zombie counts as gone); fails past `timeout_s`."""
     started = time.monotonic()

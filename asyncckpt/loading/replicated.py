@@ -223,9 +223,12 @@ def share_reads(
         _raise_failures(group, [t.error for t in told])
         checked_later = lambda item: checksum is not None and expected_crc(item) is not None  # noqa: E731 (the load checks the sidecar's)
         problems = []
-        for members, reader, items in shares.rounds():  # inside this node first: no rank waits on another for them
+        by_memory: dict[int, list[SharedItem]] = {}  # inside this node first (no rank waits on another for
+        for members, reader, items in shares.rounds():  # them), each reader's payload mapped once
             if told[reader].in_memory and me != reader and me in members and shares.same_node(me, reader):
-                _receive(got, problems, lambda: _from_memory(shares, reader, told[reader], items, checked_later))
+                by_memory.setdefault(reader, []).extend(items)
+        for reader, items in by_memory.items():
+            _receive(got, problems, lambda: _from_memory(shares, reader, told[reader], items, checked_later))
         for members, reader, items in shares.rounds():  # then other nodes (and readers without a payload)
             by_gloo = lambda m: not (told[reader].in_memory and shares.same_node(m, reader))  # noqa: E731
             if me == reader:
@@ -265,7 +268,7 @@ def _read_own(items, files, source, expected_crc, checksum, payload: Optional[Me
 
 def _from_memory(shares: ReadShares, reader: int, told: ReadOutcome, items: list[SharedItem],
                  checked_later: Callable[[SharedItem], bool]) -> dict:
-    """A round's items from the payload of `reader` (a rank of this node), each checked: its
+    """`items` from the payload of `reader` (a rank of this node), each checked: its
     length, and its CRC32C unless the load checks the sidecar's checksum of it anyway."""
     order, where = shares.layout(reader)
     path, crcs = payload_name(shares.nonce, reader, told.pid), told.crcs

@@ -18,12 +18,12 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from ..config import CheckpointConfig
 from ..errors import CheckpointError
-from ..layout import METADATA_FILE, new_file_tag, save_directory
+from ..layout import new_file_tag, save_directory
 from ..loading.restart import restart
 from ..loading.resume import ResumeReport
 from ..protocol import CACHE_SLOTS
 from ..report import SaveReport, publish
-from ..storage import is_remote, storage_for
+from ..storage import storage_for
 from ..storage.requests import COUNTER
 from . import at_exit
 from .commit import CommitMemory, RankOutcome, SaveTarget, finish_save
@@ -40,7 +40,7 @@ from .preemption import Preemption
 from .prefixes import data_folder_for, expected_writes
 from .rank_worker import RankWorker
 from .ranks import RankGroup, finalize_bound_s
-from .retention import Janitor, discard_uncommitted, is_dir_or_unknown, raise_start_failure
+from .retention import Janitor, ReadyDirectory, discard_uncommitted, raise_start_failure, ready_directory
 from .snapshot import SaveWarnings, take_snapshot
 from .staged_copy import persist_flight
 
@@ -155,21 +155,10 @@ class AsyncCheckpointer(InterruptedExit, IntegrationHooks):
 
         storage = storage_for(step_dir)
         label = f"step {step}" if name is not None else f"checkpoint {step_dir!r}"
-        local, problem, overwrite, created, in_our_folder, writes = None, None, False, False, False, 0
-        try:
-            created = name is None and not memory_only and not is_dir_or_unknown(storage, step_dir)  # (before a lock in it)
-            if self._group.is_coordinator:  # before anything is written: the folder may be another job's
-                self._folders.check(step_dir)
-                if name is None:
-                    self._folders.take_folder_of(step_dir, self.config.fsync)
-            in_our_folder = True
-            if storage.is_symlink(step_dir) and not memory_only:
-                raise CheckpointError(f"{step_dir!r} is a symlink; refusing to write a checkpoint through it")
-            if not memory_only:  # a memory-only save writes nothing there
-                self._janitor.claim(step_dir, self.config.timeout_s)  # retention stays out of it
-                if self._group.is_coordinator or not is_remote(step_dir):  # (no probe per rank in one S3 prefix)
-                    storage.prepare_dir(step_dir, self.config.fsync)  # proves it writable first; its entry durable
-                overwrite = self._group.is_coordinator and storage.exists(storage.join(step_dir, METADATA_FILE))
+        local, problem, writes, ready = None, None, 0, ReadyDirectory()
+        try:  # before anything is written: the folder may be another job's
+            ready_directory(ready, storage, step_dir, name is not None, not memory_only, self._group, self._folders,
+                            self._janitor, self.config)
             local = self._planning.local(state_dict, self._group.is_coordinator)
             writes = 0 if memory_only else expected_writes(self.config, storage, step_dir, local.plan)  # spreading
         except OSError as exc:
@@ -177,12 +166,12 @@ class AsyncCheckpointer(InterruptedExit, IntegrationHooks):
         except Exception as exc:  # every rank must reach the agreement, whatever went wrong here
             problem = exc
         changed, overwrite_any, failed, writes = self._group.agree(
-            [local is None or self._planning.changed(local), int(overwrite), int(problem is not None), writes],
+            [local is None or self._planning.changed(local), int(ready.overwrite), int(problem is not None), writes],
             "schedule_save", -1 if step is None else step,
         )
-        owns_dir = (name is not None or created) and not memory_only
+        owns_dir = (name is not None or ready.created) and not memory_only
         if failed:
-            raise_start_failure(self._group, problem, label, step_dir, owns_dir, in_our_folder)
+            raise_start_failure(self._group, problem, label, step_dir, owns_dir, ready.in_our_folder)
         file_tag = ""
         if overwrite_any:  # new files get other names; the old checkpoint stays committed until ours is
             file_tag = self._group.broadcast(new_file_tag())

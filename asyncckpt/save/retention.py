@@ -23,7 +23,7 @@ from ..errors import CheckpointError, CheckpointTimeoutError
 from ..layout import SIDECAR_NAME, is_checksums_part, is_data_file, list_files, remove_empty_data_folders
 from ..loading.load import unreferenced_files, uploads_left_open
 from ..layout import LOCK_FILE, METADATA_FILE, list_checkpoints, read_latest_marker
-from ..storage import Storage, storage_for
+from ..storage import Storage, is_remote, storage_for
 from .disk_space import DiskSpaceWarning
 
 log = logging.getLogger(__name__)
@@ -227,6 +227,38 @@ def discard_uncommitted(storage: Storage, step_dir: str, file_tag: str = "", own
             remove_empty_data_folders(storage, step_dir)
     except (OSError, CheckpointError) as exc:
         log.warning("could not remove uncommitted files in %s: %s", step_dir, exc)
+
+
+@dataclass
+class ReadyDirectory:
+    """What readying a save's directory found, filled in as it goes (read after a failure too)."""
+
+    created: bool = False  # the save makes the directory it names (a failed save may remove all of it)
+    in_our_folder: bool = False  # the folder checks passed: it is not another job's
+    overwrite: bool = False  # (the coordinator) a committed checkpoint is there: it is replaced at commit
+
+
+def ready_directory(ready: ReadyDirectory, storage: Storage, step_dir: str, named: bool, write: bool, group, folders,
+                    janitor: "Janitor", config) -> None:
+    """Ready a save's directory before anything is written (schedule_save, and a preempted close's
+    write of a memory-only save): the folder must be this job's (`folders`, the coordinator's
+    FolderLocks; a directory the caller names takes its folder), and for a save that writes
+    (`write`): no symlink, retention kept out of it, the directory made and proved writable, and
+    whether a committed checkpoint is there. `named`: ROOT/step_N. Raises on the first problem."""
+    ready.created = not named and write and not is_dir_or_unknown(storage, step_dir)  # (before a lock in it)
+    if group.is_coordinator:
+        folders.check(step_dir)
+        if not named:
+            folders.take_folder_of(step_dir, config.fsync)
+    ready.in_our_folder = True
+    if not write:  # (a memory-only save writes nothing there)
+        return
+    if storage.is_symlink(step_dir):
+        raise CheckpointError(f"{step_dir!r} is a symlink; refusing to write a checkpoint through it")
+    janitor.claim(step_dir, config.timeout_s)
+    if group.is_coordinator or not is_remote(step_dir):  # (no probe per rank in one S3 prefix)
+        storage.prepare_dir(step_dir, config.fsync)  # proves it writable first; its entry durable
+    ready.overwrite = group.is_coordinator and storage.exists(storage.join(step_dir, METADATA_FILE))
 
 
 def raise_start_failure(

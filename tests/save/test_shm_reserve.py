@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, pid_of_an_exited_process
 
 SCRIPT = textwrap.dedent("""
     import os, torch
@@ -56,9 +56,7 @@ def test_segment_names_left_by_killed_processes_are_removed(tmp_path, monkeypatc
     if torch.multiprocessing.get_sharing_strategy() != "file_descriptor":
         pytest.skip("segments are torch's own under this sharing strategy")
     monkeypatch.setattr(sharing, "_SWEPT", set())
-    gone = subprocess.Popen([sys.executable, "-c", "pass"])
-    gone.wait()
-    left = tmp_path / f"asyncckpt-{gone.pid}-140000000000-0"
+    left = tmp_path / f"asyncckpt-{pid_of_an_exited_process()}-140000000000-0"
     mine = tmp_path / f"asyncckpt-{os.getpid()}-140000000000-7"  # (a live process's: being created now)
     tier = tmp_path / "asyncckpt-root-0123456789-rank0.slab"  # the memory tier's: not a segment
     for path in (left, mine, tier):
