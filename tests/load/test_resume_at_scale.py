@@ -265,3 +265,66 @@ def test_a_payload_file_whose_process_is_gone_is_removed_by_the_next_reader(tmp_
     payload.remove()
     assert sorted(p.name for p in tmp_path.iterdir()) == [live.name]
 
+
+def _one_rank_gets_a_damaged_item(rank: int, world: int, path: str, out: str, nodes: str) -> None:
+    import asyncckpt.loading.replicated as replicated
+    import asyncckpt.loading.safe_reader as safe_reader
+
+    if nodes == "two":
+        safe_reader.node_key = lambda: f"node{rank // 2}"
+    if rank == 3:
+        def damaged(item, data, crc, checked_later, whence):
+            raise replicated.Damaged(f"{item.relative_path}: {whence} arrived damaged")
+        replicated._check = damaged
+    started = time.monotonic()
+    with pytest.raises(CheckpointError, match="rank 3: .* arrived damaged"):
+        load(zeroed(replicated_state()), path)
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump({"raised_after_s": time.monotonic() - started}, f)
+
+
+def test_an_item_that_arrives_damaged_fails_every_rank_at_once(tmp_path):
+    """A rank that gets a damaged item (rank 3, two nodes: through shared memory from rank 2, by
+    gloo from ranks 0 and 1) goes on taking part, and the exchange that ends the sharing fails
+    every rank, naming it: none waits for a timeout."""
+    path = saved_step_one(str(tmp_path / "root"), replicated_state())
+    out = tmp_path / "raised"
+    out.mkdir()
+    run_ranks(_one_rank_gets_a_damaged_item, WORLD, path, str(out), "two", timeout_s=180)
+    raised = [json.loads((out / f"rank{r}.json").read_text())["raised_after_s"] for r in range(WORLD)]
+    assert max(raised) < 30, raised
+
+
+@pytest.mark.parametrize("layout", ["ddp", "hsdp"])
+def test_the_plans_stay_small_at_thousands_of_ranks(layout):
+    """The shared reads ride on every rank's plan, which the coordinator sends each rank: their
+    size must not grow as ranks x items (DDP at 4,096 ranks and 300 items would be ~4 MB per rank
+    and 16 GB from the coordinator). Members are ranges, nodes runs of consecutive ranks; ranks
+    whose plans read the same items are gone through once."""
+    import pickle
+    from types import SimpleNamespace
+
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import LoadPlan
+
+    from asyncckpt.loading.replicated import assign_shared_reads, plan_note
+
+    ranks, items, per_node, shards = 4096, 300, 8, 16
+    index = [MetadataIndex(f"layer{i}.weight") for i in range(items)]
+    storage = {index[i]: SimpleNamespace(relative_path=f"__{i % 64}_0.distcp", offset=i * 4096, length=4096)
+               for i in range(items)}
+    def wanted(rank: int) -> list:  # DDP: every item; HSDP: the items of this rank's shard
+        return [i for i in range(items) if layout == "ddp" or i % shards == rank % shards]
+    plans = [LoadPlan(items=[SimpleNamespace(storage_index=index[i]) for i in wanted(r)]) for r in range(ranks)]
+    plans = [LoadPlan(plan.items, storage_data=plan_note(plan, f"node{r // per_node}")) for r, plan in enumerate(plans)]
+    started = time.process_time()
+    planned = assign_shared_reads(plans, SimpleNamespace(storage_data=storage))
+    assert time.process_time() - started < 5  # one pass over the items of each distinct plan (was ranks x items, twice)
+    shares = planned[0].storage_data
+    assert len(shares.items) == items
+    assert len(pickle.dumps(planned[123])) < 64 * 1024, len(pickle.dumps(planned[123]))
+    assert shares.same_node(8, 15) and not shares.same_node(7, 8)
+    readers = {item.reader for item in shares.items}
+    assert len(readers) == items  # spread: one item each
+    item = shares.items[5]
+    assert item.reader in item.members and len(item.members) == (ranks if layout == "ddp" else ranks // shards)
