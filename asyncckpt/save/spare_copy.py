@@ -6,7 +6,9 @@ it. Copying into fresh memory costs the page faults as well as the copy (twice o
 save's copy); so `prepare` readies that memory meanwhile: one shared-memory segment the size of
 the state's CPU tensors, faulted in by a thread of its own. The save that takes it copies into
 warm pages, and the copy is already where the worker can map it (no second packing copy).
-It is let go as soon as the worker has answered the preparation (no save needs it then).
+No save needs it once the worker has answered the preparation; it is let go when the next save
+is staged, on a thread of its own (unmapping a faulted GiB takes ~0.2 s: that save's blocked
+time doubled when it was let go on the caller's thread as the save found the answer).
 """
 
 from __future__ import annotations
@@ -78,8 +80,13 @@ class SpareCopy:
         return buffer if buffer is not None and buffer.numel() >= nbytes else None
 
     def release(self) -> None:
+        """Let the segment go. Unmapping it frees every faulted page (~0.2 s per GiB here): that
+        happens on a thread of its own, not in the save that finds the preparation answered."""
         with self._lock:
+            held = [self._buffer] if self._buffer is not None else []
             self._buffer, self._wanted = None, False
+        if held:  # (the thread drops the last reference: the unmap runs there)
+            threading.Thread(target=held.clear, name="asyncckpt-spare-release", daemon=True).start()
 
 
 FAULT_CHUNK = 64 << 20

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
+import time
+import weakref
 
 import pytest
 import torch
@@ -44,6 +47,29 @@ def test_the_first_save_after_a_finished_preparation_sends_nothing_and_holds_the
         ckpt._worker.settle_preparation()  # the worker has readied its slab: nothing is left to hide
         expected, report = save_and_change(ckpt, state, 1)
     assert report.tensors_sent == 0 and report.cache_hit and report.plan_reused, report
+    assert_step_holds(ckpt_root, 1, expected)
+
+
+def test_the_spare_copy_is_let_go_after_the_first_save_is_staged_and_off_the_callers_thread(ckpt_root):
+    """prepare readies memory for a save that would come during the preparation; once the worker
+    is ready, no save needs it. Unmapping it (~0.2 s per GiB) must not land on the first save's
+    blocked time: it goes once that save is staged, on a thread of its own."""
+    state = make_state()
+    freed_on: list[str] = []
+    with AsyncCheckpointer(ckpt_root) as ckpt:
+        ckpt.prepare(state)
+        spare = ckpt._worker._spare
+        spare._thread.join(30)
+        assert spare._buffer is not None  # faulted in, held
+        weakref.finalize(spare._buffer, lambda: freed_on.append(threading.current_thread().name))
+        del spare
+        ckpt._worker.settle_preparation()  # the answer is in: the spare is no longer needed ...
+        assert not freed_on  # ... but kept until the next save is staged
+        expected, _ = save_and_change(ckpt, state, 1)
+        deadline = time.monotonic() + 10
+        while not freed_on and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert freed_on == ["asyncckpt-spare-release"]
     assert_step_holds(ckpt_root, 1, expected)
 
 
