@@ -218,7 +218,8 @@ class AsyncCheckpointer(InterruptedExit, IntegrationHooks):
         later one does. Call it where nothing changes the state (e.g. before the training loop): it
         plans the save (a collective with several ranks: every rank calls it at the same point), moves
         CPU tensors into shared memory in place (~0.3 s/GiB, once) and hands them to the worker, which
-        readies its slab in the background. Optional: else the first save does this (first_save.py).
+        readies its slab in the background; a save that comes before the worker is ready copies into
+        memory faulted in here (~0.3 s/GiB more). Optional: else the first save does this (first_save.py).
         While a save is being handed over by a thread (the persist of a copy load_latest restored
         from memory), that thread owns the worker: the tensors are moved now, the save is not
         waited for, and the next save hands them over."""

@@ -72,6 +72,10 @@ class SpareCopy:
             if self._wanted:
                 self._buffer = buffer
 
+    def wait_ready(self) -> None:
+        """Until every page is faulted in (at most `READY_WAIT_S`)."""
+        self._thread.join(READY_WAIT_S)
+
     def take(self, nbytes: int) -> Optional[torch.Tensor]:
         """The faulted-in segment, once ready (waiting `READY_WAIT_S` at most), if it holds `nbytes`."""
         self._thread.join(READY_WAIT_S)

@@ -51,16 +51,15 @@ def test_the_first_save_after_a_finished_preparation_sends_nothing_and_holds_the
 
 
 def test_the_spare_copy_is_let_go_after_the_first_save_is_staged_and_off_the_callers_thread(ckpt_root):
-    """prepare readies memory for a save that would come during the preparation; once the worker
-    is ready, no save needs it. Unmapping it (~0.2 s per GiB) must not land on the first save's
+    """prepare readies memory for a save that would come during the preparation, faulted in before
+    it returns (such a save then only copies); once the worker is ready, no save needs it. Unmapping it (~0.2 s per GiB) must not land on the first save's
     blocked time: it goes once that save is staged, on a thread of its own."""
     state = make_state()
     freed_on: list[str] = []
     with AsyncCheckpointer(ckpt_root) as ckpt:
         ckpt.prepare(state)
         spare = ckpt._worker._spare
-        spare._thread.join(30)
-        assert spare._buffer is not None  # faulted in, held
+        assert not spare._thread.is_alive() and spare._buffer is not None  # faulted in when prepare returned
         weakref.finalize(spare._buffer, lambda: freed_on.append(threading.current_thread().name))
         del spare
         ckpt._worker.settle_preparation()  # the answer is in: the spare is no longer needed ...
