@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 
-from .sharing import SHM_HEADROOM_BYTES, populate_for_writing, shared_segment, shm_bytes, shm_free_bytes
+from .sharing import SHM_HEADROOM_BYTES, free_shared_pages, populate_for_writing, shared_segment, shm_bytes, shm_free_bytes
 from .snapshot import Snapshot
 
 ALIGN = 64  # bytes: where each tensor's copy starts in the copy's one buffer
@@ -89,8 +89,16 @@ class SpareCopy:
         with self._lock:
             held = [self._buffer] if self._buffer is not None else []
             self._buffer, self._wanted = None, False
-        if held:  # (the thread drops the last reference: the unmap runs there)
-            threading.Thread(target=held.clear, name="asyncckpt-spare-release", daemon=True).start()
+        if held:
+            threading.Thread(target=_let_go, args=(held,), name="asyncckpt-spare-release", daemon=True).start()
+
+
+def _let_go(held: list[torch.Tensor]) -> None:
+    """Free the segment's pages without the GIL, then drop it (the last reference: an unmap of
+    nothing left). Dropping it whole would hold the GIL while the kernel frees every page."""
+    buffer = held.pop()
+    free_shared_pages(buffer.data_ptr(), buffer.numel())
+    del buffer
 
 
 FAULT_CHUNK = 64 << 20

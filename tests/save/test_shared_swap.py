@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from asyncckpt import AsyncCheckpointer
-from asyncckpt.save.sharing import move_into_shared_memory, swap_into_shared_memory
+from asyncckpt.save.sharing import free_shared_pages, move_into_shared_memory, shared_segment, swap_into_shared_memory
 from conftest import assert_step_holds, clone_state
 
 
@@ -80,3 +80,13 @@ def test_a_first_save_without_a_working_swap_still_holds_the_values_of_its_call(
             state["tagged"].add_(100.0)
         ckpt.finalize(blocking=True)
     assert_step_holds(str(tmp_path), 1, expected)
+
+
+def test_freeing_a_shared_segments_pages_empties_it_without_dropping_it():
+    """prepare's spare copy is let go by freeing its pages first (off the GIL), then dropping it."""
+    nbytes = 4 << 20
+    segment = torch.empty(0, dtype=torch.uint8).set_(shared_segment(nbytes))
+    segment.fill_(7)
+    assert free_shared_pages(segment.data_ptr(), segment.numel())
+    assert segment.count_nonzero().item() == 0  # the pages are gone: a read sees fresh zeros
+    assert not free_shared_pages(segment.data_ptr(), 0)
