@@ -120,6 +120,7 @@ class RankWorker:
             self._client.stop(timeout_s)  # (killed past it)
             self._client = None
         self._holds, self._preparing = [None] * CACHE_SLOTS, None
+        self._let_spare_go()  # (a prepare with no save after it)
 
     @property
     def torn(self) -> bool:  # Ctrl-C cut a message short: nothing more can be read from this worker

@@ -139,3 +139,13 @@ def _prepared_ranks(rank: int, world: int, root: str) -> None:
 
 def test_prepare_on_two_ranks_then_a_consistent_first_save(tmp_path):
     run_ranks(_prepared_ranks, 2, str(tmp_path / "ckpt"), timeout_s=120)
+
+
+def test_a_prepare_with_no_save_after_it_lets_the_spare_copy_go_at_close(ckpt_root):
+    state = make_state()
+    freed = threading.Event()
+    ckpt = AsyncCheckpointer(ckpt_root)
+    ckpt.prepare(state)
+    weakref.finalize(ckpt._worker._spare._buffer, freed.set)
+    ckpt.close()
+    assert freed.wait(10)  # not held while the process goes on without the checkpointer
