@@ -90,3 +90,12 @@ def test_freeing_a_shared_segments_pages_empties_it_without_dropping_it():
     assert free_shared_pages(segment.data_ptr(), segment.numel())
     assert segment.count_nonzero().item() == 0  # the pages are gone: a read sees fresh zeros
     assert not free_shared_pages(segment.data_ptr(), 0)
+
+
+def test_a_segment_made_holding_a_storage_has_its_bytes_and_is_shared():
+    """A first save's move writes each storage into its new segment's file (no zeroed pages first)."""
+    source = torch.randn(3, 1_000_003).to(torch.bfloat16)  # an odd size: not a whole number of pages
+    segment = shared_segment(source.untyped_storage().nbytes(), holding=source.untyped_storage())
+    assert segment.is_shared() and segment.nbytes() == source.untyped_storage().nbytes()
+    copy = torch.empty(0, dtype=torch.bfloat16).set_(segment, 0, source.shape, source.stride())
+    assert torch.equal(copy, source)
