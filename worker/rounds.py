@@ -51,8 +51,8 @@ def run_save(
     options = request.options
     if request.memory is not None and request.memory.memory_only:
         return _stage_only(request, entry, pool, rank, on_staged)
-    _make_data_folder(request.checkpoint_dir, request.data_folder, options)
     if options.incremental:
+        _make_data_folder(request.checkpoint_dir, request.data_folder, options)
         return _run_incremental(request, entry, pool, writers, rank, on_staged)
     object_sizes = {pos: len(data) for pos, data in request.byte_items.items()}
     buckets = make_buckets(
@@ -62,8 +62,20 @@ def run_save(
     rounds = plan_rounds(entry.items, buckets, options.staging_budget_bytes)
     views = _views(entry, pool, rounds, options.staging_budget_bytes)
     data = SaveData(entry.items, views, request.byte_items, options, pool.share())
-    files = open_files(storage_for(request.checkpoint_dir), request.checkpoint_dir, buckets, entry.items, options)
-    file_of = {pos: file for file in files for pos in file.bucket.positions}
+    # The files are created right before the first write: with one round (no staging budget),
+    # after Staged, so creating them (on an object store: the client's first connection, an
+    # upload started per file) is never on the trainer's blocked time
+    files: list[OpenFile] = []
+    file_of: dict[int, OpenFile] = {}
+
+    def open_once() -> None:
+        if files or not buckets:
+            return
+        _make_data_folder(request.checkpoint_dir, request.data_folder, options)
+        files.extend(open_files(storage_for(request.checkpoint_dir), request.checkpoint_dir, buckets, entry.items,
+                                options))
+        file_of.update((pos, file) for file in files for pos in file.bucket.positions)
+
     written, write_s = [], 0.0
     bound = options.timeout_s * WORKER_DEADLINE_SHARE
     deadline = time.monotonic() + bound  # rounds before Staged count against the staging bound
@@ -71,6 +83,7 @@ def run_save(
         for n, round_ in enumerate(rounds):
             last = n == len(rounds) - 1
             if round_.streamed:
+                open_once()
                 pos = round_.positions[0]
                 started = time.perf_counter()
                 written += write_streamed(data, file_of[pos], pos, pool.pieces(entry.sources[pos]))
@@ -82,10 +95,13 @@ def run_save(
                     [data.staged[p] for p in round_.positions],
                     options.staging_threads,
                 )
-                parts = [(f, p) for f, p in _parts(files, file_of, round_) if p]
+                if not last:
+                    open_once()
+                    parts = [(f, p) for f, p in _parts(files, file_of, round_) if p]
             if last:
                 on_staged()
                 deadline = time.monotonic() + bound  # the writes get their own bound, as in the trainer
+                open_once()
                 parts = _parts(files, file_of, Round([]) if round_.streamed else round_)
             started = time.perf_counter()
             if parts:
