@@ -20,7 +20,8 @@ from typing import Optional
 
 import torch
 
-from .sharing import SHM_HEADROOM_BYTES, free_shared_pages, populate_for_writing, shared_segment, shm_bytes, shm_free_bytes
+from .sharing import (SHM_HEADROOM_BYTES, free_shared_pages, populate_for_writing, shared_segment, shm_bytes,
+                      shm_free_bytes)
 from .snapshot import Snapshot
 
 ALIGN = 64  # bytes: where each tensor's copy starts in the copy's one buffer

@@ -52,8 +52,9 @@ def test_the_first_save_after_a_finished_preparation_sends_nothing_and_holds_the
 
 def test_the_spare_copy_is_let_go_after_the_first_save_is_staged_and_off_the_callers_thread(ckpt_root):
     """prepare readies memory for a save that would come during the preparation, faulted in before
-    it returns (such a save then only copies); once the worker is ready, no save needs it. Unmapping it (~0.2 s per GiB) must not land on the first save's
-    blocked time: it goes once that save is staged, on a thread of its own."""
+    it returns (such a save then only copies); once the worker is ready, no save needs it.
+    Unmapping it (~0.2 s per GiB) must not land on the first save's blocked time: it goes once
+    that save is staged, on a thread of its own."""
     state = make_state()
     freed_on: list[str] = []
     with AsyncCheckpointer(ckpt_root) as ckpt:
