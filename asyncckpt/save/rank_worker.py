@@ -153,9 +153,10 @@ class RankWorker:
         spare, self._spare = self._spare, None
         return spare.take(nbytes) if spare is not None else None
 
-    def settle_preparation(self) -> None:
-        """Take the answer to a preparation under way, if any (bounded; a failed one is logged)."""
-        self._await_prepared()
+    def settle_preparation(self) -> bool:
+        """Take the answer to a preparation under way, if any (bounded; a failed one is logged).
+        True: the worker answered that it holds the preparation's tensors."""
+        return self._await_prepared()
 
     @property
     def preparing(self) -> bool:
@@ -172,19 +173,20 @@ class RankWorker:
         self._took_preparation(answer)
         return False
 
-    def _await_prepared(self) -> None:
+    def _await_prepared(self) -> bool:
         """Take the answer to a preparation (waiting for it, bounded): a preparation that failed
-        is logged, and the save sends everything as if there had been none."""
+        is logged, and the save sends everything as if there had been none. True: it succeeded."""
         save_id, self._preparing = self._preparing, None
         if save_id is None or self._client is None:
-            return
+            return False
         try:
             answer = self._client.take(save_id, (Prepared, SaveFailed), self.config.timeout_s)
         except (CheckpointTimeoutError, WorkerDiedError) as exc:
             log.warning("rank %d: preparing the first save failed (%s); the save starts over", self.rank, exc)
             self.reset(kill=True)
-            return
+            return False
         self._took_preparation(answer)
+        return isinstance(answer, Prepared)
 
     def _took_preparation(self, answer) -> None:
         # no save needs the spare copy now; unmapping it (~0.2 s per GiB) waits until the save
