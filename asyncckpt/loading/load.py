@@ -6,9 +6,10 @@ checkpoint as untrusted data (see safety.py) and reads local files in parallel (
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import warnings
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -37,6 +38,20 @@ PARTLY_LOADED = (
     "do not train from it; load again (a good checkpoint) or rebuild it from fresh values"
 )
 NOT_CHANGED = "nothing in state_dict was changed"
+@contextlib.contextmanager
+def interrupted_before_changes(path, changed_before: bool = False) -> Iterator[None]:
+    """Ctrl-C in a step of a load that changes nothing (reading `.metadata`, say) is
+    KeyboardInterrupt saying whether the state was changed (`changed_before`: by an earlier
+    attempt), as one during the load itself says."""
+    try:
+        yield
+    except KeyboardInterrupt as exc:
+        if exc.args:  # (it says already)
+            raise
+        says = PARTLY_LOADED if changed_before else NOT_CHANGED
+        raise KeyboardInterrupt(f"loading {getattr(path, 'path', path)!r}: {says}") from exc
+
+
 def load(
     state_dict: dict[str, Any], path: str | OpenCheckpoint, *, verify: bool = False, trusted: bool = False,
     process_group=None, no_dist: bool = False, checksums: bool = True, ring_bytes: Optional[int] = None,
@@ -64,7 +79,8 @@ def load(
             # a refused .metadata fails here, with its own message, on every rank; resume at scale:
             # read by one rank, sent to the others (broadcast.py)
             shared_by = load_group(process_group, no_dist)
-            opened = open_shared(path, trusted=trusted, group=shared_by)
+            with interrupted_before_changes(path):
+                opened = open_shared(path, trusted=trusted, group=shared_by)
         except OSError as exc:
             raise CheckpointError(f"loading {path!r} failed: {exc}; {NOT_CHANGED}") from exc
         path = opened.path

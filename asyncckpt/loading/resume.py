@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Protocol
 
 from ..errors import CheckpointError, PartialLoadError
-from .load import NOT_CHANGED, PARTLY_LOADED, damage_of, load, resume_order
+from .load import NOT_CHANGED, PARTLY_LOADED, damage_of, interrupted_before_changes, load, resume_order
 from .broadcast import load_group, open_shared
 from ..layout import CheckpointInfo
 
@@ -77,7 +77,8 @@ def resume(
         try:
             # resume at scale: .metadata read by one rank of the job, sent to the others (broadcast.py)
             shared_by = load_group(group.pg, no_dist=getattr(group, "size", 2) == 1)
-            opened = open_shared(info.path, trusted=trusted, group=shared_by)
+            with interrupted_before_changes(info.path, changed_before=touched):
+                opened = open_shared(info.path, trusted=trusted, group=shared_by)
             load(state_dict, opened, trusted=trusted, process_group=group.pg, checksums=checksums,
                  strict=not allow_partial)
         except CheckpointError as exc:

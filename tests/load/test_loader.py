@@ -493,3 +493,25 @@ def test_an_archive_claiming_a_storage_longer_than_its_tensor_is_not_read_in_pla
     assert archive.locate_tensor(lambda o, n: honest[o:o + n], len(honest), torch.float32).nbytes == 16
     with pytest.raises(archive.ArchiveError, match="does not fit"):
         archive.locate_tensor(lambda o, n: crafted[o:o + n], len(crafted), torch.float32)
+
+
+def test_ctrl_c_while_reading_metadata_says_nothing_was_changed(tmp_path, monkeypatch):
+    """Ctrl-C before a load has touched the state (reading `.metadata`) is KeyboardInterrupt that
+    says so, through `load` and `load_latest` alike, as one during the reads says what it changed."""
+    import asyncckpt.loading.opened as opened
+
+    state = {"w": torch.arange(6.0)}
+    with AsyncCheckpointer(str(tmp_path)) as ckpt:
+        ckpt.schedule_save(state, step=1)
+    target = {"w": torch.zeros(6)}
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(opened, "load_metadata", interrupted)
+    with pytest.raises(KeyboardInterrupt, match="loading .*step_00000001.*: nothing in state_dict was changed"):
+        load(target, str(tmp_path / "step_00000001"))
+    with AsyncCheckpointer(str(tmp_path)) as ckpt:
+        with pytest.raises(KeyboardInterrupt, match="nothing in state_dict was changed"):
+            ckpt.load_latest(target)
+    assert torch.equal(target["w"], torch.zeros(6))
