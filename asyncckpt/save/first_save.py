@@ -33,7 +33,7 @@ from ..config import CheckpointConfig, hand_off_bound_s
 from .inflight import InFlightSave
 from ..protocol import IncrementalBase
 from .rank_worker import RankWorker
-from .sharing import (SHARE_THREADS, SHM_HEADROOM_BYTES, available_memory_bytes, free_shared_pages,
+from .sharing import (SHARE_THREADS, SHM_HEADROOM_BYTES, available_memory_bytes, free_shared_storages,
                       new_reserved_shared, shm_bytes, shm_free_bytes)
 from .snapshot import Snapshot
 from .spare_copy import packed as _packed
@@ -83,7 +83,10 @@ class HandOff:
             prepared = self.worker.settle_preparation()  # the save is over once the worker holds the trainer's tensors
             self.flight.outcome = outcome
             if own is not None and prepared and outcome.written is not None:
-                _free_pages_of(copy)  # the worker is done with it: written, and it holds the trainer's tensors now
+                # the worker is done with the copy (written; it holds the trainer's tensors now): its
+                # pages go off the GIL first (its one segment, packed or prepare's spare: dropping a
+                # GiB whole held the GIL ~0.1 s, a stall of the training loop)
+                free_shared_storages(copy.tensors)
         except Exception as exc:  # reaches every rank as CheckpointError through finalize's verdict
             self.flight.error = f"handing the save to the worker failed: {type(exc).__name__}: {exc}"
         finally:
@@ -178,16 +181,6 @@ def _shared(copy: Snapshot) -> Snapshot:
         tensor, unpacked[pos] = unpacked[pos], None
         packed.append(None if tensor is None else _view(buffer, offset, tensor).copy_(tensor))
     return dataclasses.replace(copy, tensors=packed, mapped_from="")
-
-
-def _free_pages_of(copy: Snapshot) -> None:
-    """Free the shared pages under the copy (its one segment: packed, or prepare's spare) without
-    the GIL, so that dropping it after unmaps nothing left: dropping a GiB whole held the GIL
-    ~0.1 s, a stall of the training loop's Python thread. Only once no process reads the copy."""
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage() for t in copy.tensors if t is not None}
-    for address, storage in storages.items():
-        if storage.is_shared():
-            free_shared_pages(address, storage.nbytes())
 
 
 def _view(buffer: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tensor:

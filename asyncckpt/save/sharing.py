@@ -348,6 +348,16 @@ def free_shared_pages(address: int, nbytes: int) -> bool:
     return nbytes > 0 and _libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(nbytes), MADV_REMOVE) == 0
 
 
+def free_shared_storages(tensors) -> None:
+    """Free the pages under the shared storages of `tensors` (each storage once, None skipped)
+    without the GIL, so that dropping them afterwards unmaps nothing left. Only for memory no
+    process reads any more: every mapping of it reads zeros after."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage() for t in tensors if t is not None}
+    for address, storage in storages.items():
+        if storage.is_shared():
+            free_shared_pages(address, storage.nbytes())
+
+
 def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8).set_(storage)
 

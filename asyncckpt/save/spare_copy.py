@@ -20,8 +20,8 @@ from typing import Optional
 
 import torch
 
-from .sharing import (SHM_HEADROOM_BYTES, free_shared_pages, populate_for_writing, shared_segment, shm_bytes,
-                      shm_free_bytes)
+from .sharing import (SHM_HEADROOM_BYTES, free_shared_storages, populate_for_writing, shared_segment,
+                      shm_bytes, shm_free_bytes)
 from .snapshot import Snapshot
 
 ALIGN = 64  # bytes: where each tensor's copy starts in the copy's one buffer
@@ -97,9 +97,8 @@ class SpareCopy:
 def _let_go(held: list[torch.Tensor]) -> None:
     """Free the segment's pages without the GIL, then drop it (the last reference: an unmap of
     nothing left). Dropping it whole would hold the GIL while the kernel frees every page."""
-    buffer = held.pop()
-    free_shared_pages(buffer.data_ptr(), buffer.numel())
-    del buffer
+    free_shared_storages(held)
+    held.clear()
 
 
 FAULT_CHUNK = 64 << 20
