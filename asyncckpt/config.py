@@ -78,7 +78,8 @@ class CheckpointConfig:
         `asyncckpt.requeue_exit()` (docs/usage.md, "Preemption"). Handlers are installed by the
         checkpointer's constructor, which must then run on the main thread.
     grace_s: after a preemption signal, `close()` waits at most this long for the save in flight
-        (then gives it up: the last committed checkpoint stays as it was).
+        (then gives it up: the last committed checkpoint stays as it was); a loop that has not
+        called `close()` at 3/4 of it is closed for, and the process ends at its end.
     """
 
     io: str = "thread"

@@ -8,8 +8,10 @@ the signal to `close()` returning (the save written, fsynced, committed, the wor
 compared with a raw write + fsync of as many bytes to the same disk, alternating in the same run
 (goal: <= 1.2x). The memory-only row: the newest save was staged into the memory tier only
 (`memory_only=True`, /dev/shm) when the signal came; close() has the worker write that copy and
-commits it (the time to its commit). Also: the cost of reading `ckpt.preempted` once per step when
-no signal came (goal < 1 us).
+commits it (the time to its commit). Also, with no signal: the cost of reading `ckpt.preempted`
+once per step (goal < 1 us); of `finalize()` with nothing pending, which counts the loop's calls for
+several ranks' stop (preemption.py); and of one check of the store's board (a loopback TCPStore),
+which a thread of each rank makes once a second, off the loop.
 
     python benchmarks/bench_preemption.py --size-mib 1024 --rounds 3
 """
@@ -116,6 +118,29 @@ def preempted_cost_ns(root: str) -> float:
         ckpt.close()
 
 
+def finalize_cost_ns(root: str) -> tuple[float, float]:
+    """finalize() with no save pending, and of it the count of calls (Preemption.finalize_called)."""
+    ckpt = AsyncCheckpointer(root, CheckpointConfig(preemption_signals=(signal.SIGTERM,)), no_dist=True)
+    try:
+        n = 200_000
+        empty = min(timeit.repeat(lambda: None, number=n, repeat=5))
+        call = min(timeit.repeat(ckpt.finalize, number=n, repeat=5))
+        count = min(timeit.repeat(ckpt._preemption.finalize_called, number=n, repeat=5))
+        return (call - empty) / n * 1e9, (count - empty) / n * 1e9
+    finally:
+        ckpt.close()
+
+
+def board_check_us() -> float:
+    """One check of the board's key on a loopback TCPStore (what each rank's thread does once a second)."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
+    n = 2000
+    best = min(timeit.repeat(lambda: store.check(["asyncckpt/preempted/x/signal"]), number=n, repeat=5))
+    return best / n * 1e6
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size-mib", type=int, default=1024)
@@ -145,6 +170,8 @@ def main() -> None:
         finally:
             shutil.rmtree(shm, ignore_errors=True)
         cost = preempted_cost_ns(os.path.join(base, "cost"))
+        finalize_ns, count_ns = finalize_cost_ns(os.path.join(base, "finalize"))
+        check_us = board_check_us()
     finally:
         shutil.rmtree(base, ignore_errors=True)
     raw_s, pre_s, close_s = statistics.median(raw), statistics.median(preempt), statistics.median(closed)
@@ -160,11 +187,16 @@ def main() -> None:
     for what, seconds, ratio in rows:
         print(f"| {what:<50} | {seconds:8.3f} | {ratio:6.2f} |")
     print(f"\n`ckpt.preempted` with no signal: {cost:.0f} ns per read (goal < 1000 ns)")
+    print(f"`finalize()` with nothing pending: {finalize_ns:.0f} ns per call, of it {count_ns:.0f} ns counting "
+          "the call (several ranks' stop)")
+    print(f"one check of the signal board (loopback TCPStore): {check_us:.0f} us, once a second per rank, "
+          "on a thread of its own")
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
             json.dump({"size_mib": args.size_mib, "raw_s": raw, "preempt_s": preempt, "close_s": closed,
-                       "memory_only_s": memory, "preempted_ns": cost}, f)
+                       "memory_only_s": memory, "preempted_ns": cost, "finalize_ns": finalize_ns,
+                       "finalize_count_ns": count_ns, "board_check_us": check_us}, f)
 
 
 if __name__ == "__main__":

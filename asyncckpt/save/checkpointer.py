@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import threading
 import time
 from typing import Any, Callable, Optional
 
@@ -36,18 +37,18 @@ from .interrupted import InterruptedExit
 from .job_lock import FolderLocks, take_root
 from .memory_tier import MemoryTier
 from .planning import Planning
+from .preempted_close import PreemptedClose, one_call_at_a_time
 from .preemption import Preemption
 from .prefixes import data_folder_for, expected_writes
 from .rank_worker import RankWorker
 from .ranks import RankGroup, finalize_bound_s
 from .retention import Janitor, ReadyDirectory, discard_uncommitted, raise_start_failure, ready_directory
 from .snapshot import SaveWarnings, take_snapshot
-from .staged_copy import persist_flight
 
 log = logging.getLogger("asyncckpt")
 
 
-class AsyncCheckpointer(InterruptedExit, IntegrationHooks):
+class AsyncCheckpointer(InterruptedExit, IntegrationHooks, PreemptedClose):
     """Asynchronous DCP checkpoints of one training process, written by a persistent worker.
 
     All ranks of a job must call schedule_save and finalize at the same points.
@@ -77,6 +78,7 @@ class AsyncCheckpointer(InterruptedExit, IntegrationHooks):
         if self.root is not None:
             storage_for(self.root)  # an unsupported URL fails here, not at the first save
         self._config = config
+        self._calls = threading.RLock()  # held by every call (one_call_at_a_time)
         self._group = RankGroup(process_group, config, no_dist=no_dist)
         self.rank = self._group.rank
         self._planning = Planning(planner_factory)
@@ -89,7 +91,8 @@ class AsyncCheckpointer(InterruptedExit, IntegrationHooks):
         self._janitor = Janitor(self._folders.confirm)  # retention, after each commit's verdict
         self._commit_memory = CommitMemory()  # what a steady save's commit reuses
         self._incremental = Continuation(config.incremental, self.rank)
-        self._preemption = Preemption(config.preemption_signals, config.grace_s, lambda: self._worker.abandon(), self._group)
+        self._preemption = Preemption(config.preemption_signals, config.grace_s, lambda: self._worker.abandon(), self._group,
+                                      self._close_for_the_loop)
         if self.root is not None:
             take_root(self._folders, self.root, self._group, self._config.fsync)
         try:
@@ -113,6 +116,7 @@ class AsyncCheckpointer(InterruptedExit, IntegrationHooks):
         self._config = self._worker.config = config
 
     # public API ------------------------------------------------------------------------------
+    @one_call_at_a_time
     def schedule_save(
         self,
         state_dict: dict[str, Any],
@@ -213,6 +217,7 @@ class AsyncCheckpointer(InterruptedExit, IntegrationHooks):
             self.wait_staged()
         flight.blocked_s, self._scheduling = time.perf_counter() - started, None
 
+    @one_call_at_a_time
     def prepare(self, state_dict: dict[str, Any]) -> None:
         """Do a save's one-time work now, so the first `schedule_save` of this state costs what a
         later one does. Call it where nothing changes the state (e.g. before the training loop): it
@@ -251,6 +256,7 @@ class AsyncCheckpointer(InterruptedExit, IntegrationHooks):
             self._preemption.staged_only = None  # (the worker may lay its slab out anew)
             self._worker.prepare(snapshot)
 
+    @one_call_at_a_time
     def wait_staged(self) -> None:
         """Block until the in-flight save's snapshot is copied (bounded by timeout_s)."""
         flight = self._in_flight
@@ -267,16 +273,19 @@ class AsyncCheckpointer(InterruptedExit, IntegrationHooks):
         guard.py for exactly what that covers). Returns handles: `.remove()` undoes it."""
         return guard_calls(owners, self.wait_staged)
 
+    @one_call_at_a_time
     def finalize(self, blocking: bool = False) -> list[SaveReport]:
         """Commit the in-flight save if its writes ended on every rank (or, blocking, once they
         end). Returns the reports of every save committed since the last call (saves committed
         inside schedule_save or close included). Raises CheckpointError on every rank if a save
         failed on any. Non-blocking, it costs one small all-reduce while a save is pending."""
+        self._preemption.finalize_called()
         if self._in_flight is not None:
             self._finish_in_flight(blocking)
         reports, self._committed = self._committed, []
         return reports
 
+    @one_call_at_a_time
     def load_latest(
         self, state_dict: dict[str, Any], *, trusted: bool = False, strict: bool = False, checksums: bool = True,
         allow_partial: bool = False,
@@ -314,11 +323,13 @@ class AsyncCheckpointer(InterruptedExit, IntegrationHooks):
     planning_counters = property(lambda self: self._planning.counters)
     preempted = property(lambda self: self._preemption.preempted)  # a preemption signal came: close(), then exit
 
+    @one_call_at_a_time
     def close(self) -> list[SaveReport]:
         """Wait for the in-flight save, commit it, wait (at most timeout_s) for retention to end,
         and stop the worker. Idempotent. After a preemption signal every wait is bounded by grace_s
         and what was saved is said on stderr (preemption.py)."""
         if self._closed:
+            self._preemption.uninstall()  # (the loop's close after the watchdog closed for it)
             return []
         try:
             return self._preemption.closing(lambda: self.finalize(blocking=True), bool(self._memory), self._persist)
@@ -327,12 +338,6 @@ class AsyncCheckpointer(InterruptedExit, IntegrationHooks):
             raise
         finally:
             self._release()
-
-    def _persist(self, staged: Optional[InFlightSave]) -> list[SaveReport]:
-        """A preempted close: the worker writes its copy of a memory-only newest save (staged_copy.py)."""
-        self._in_flight = persist_flight(staged, self._group, self._folders, self._janitor, self._worker)
-        self._finish_in_flight(blocking=True)
-        return self.finalize()
 
     def _release(self) -> None:
         """What close() lets go of, once: retention's thread, the worker, the tier's file, the lock."""
@@ -384,7 +389,3 @@ class AsyncCheckpointer(InterruptedExit, IntegrationHooks):
         self._committed.append(report)
         self._preemption.committed(report, flight if target.memory_only else None)
         publish(report, self.config.metrics_path, self.config.on_commit)
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise CheckpointError("this AsyncCheckpointer is closed")

@@ -375,3 +375,30 @@ def test_with_the_memory_tier_the_resume_loads_the_newest_save_from_memory(tmp_p
         assert target["c"].value.item() == 2 * offset and target["note"] == "x"
         from_memory = [r for r in caplog.records if r.getMessage().startswith(f"loaded {path} from memory")]
         assert bool(from_memory) == (path == newest), path
+
+
+def test_a_preemption_signal_commits_the_staged_save_of_a_loop_that_never_looks(tmp_path):
+    """torchtitan through async_save, `preemption_signals` in `configure()`: its loop knows nothing
+    of the signal; the save staged before it is committed (stock dcp.load reads it, with the values
+    staged), and the process ends with 143 when grace_s runs out, saying what was saved."""
+    import subprocess
+    import sys
+
+    from asyncckpt.save.preemption import PREEMPTED_EXIT_CODE
+    from conftest import REPO
+
+    child = os.path.join(os.path.dirname(__file__), "dcp_preempt_child.py")
+    process = subprocess.Popen([sys.executable, "-u", child, str(tmp_path), "4"], cwd=REPO, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        line = process.stdout.readline()
+        assert line.strip() == "STAGED 2", (line, process.stderr.read() if process.poll() is not None else "")
+        process.send_signal(signal.SIGTERM)
+        _, err = process.communicate(timeout=90)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
+    assert process.returncode == PREEMPTED_EXIT_CODE, err
+    assert "closed for it" in err and f"committed ({tmp_path}/step-2" in err, err
+    assert bool((_load(str(tmp_path / "step-2"), {"w": torch.zeros(1 << 20)})["w"] == 2.0).all())

@@ -288,3 +288,104 @@ def test_a_memory_only_newest_save_that_cannot_be_written_stays_in_memory(tmp_pa
         assert again.load_latest(state) == 2
         assert again.resume_report.source == "memory"
     assert state["step"] == 2 and all(bool((t == 2).all()) for t in state["w"].values())
+
+
+STUCK_CHILD = os.path.join(os.path.dirname(__file__), "preempt_stuck_child.py")
+STUCK_GRACE_S = 6.0
+
+
+def run_stuck_loops(tmp_path, kind: str, ranks: int = 1, signalled: tuple = (0,)) -> tuple[str, list[dict]]:
+    """preempt_stuck_child on `ranks` ranks (each in a session of its own), SIGTERM to the ranks
+    `signalled` once every rank has staged step 2; returns the root and each rank's exit."""
+    root, shm = str(tmp_path / "root"), str(tmp_path / "shm")
+    os.makedirs(shm, exist_ok=True)
+    extra = lambda rank: [str(rank), str(ranks), str(tmp_path / "store")] if ranks > 1 else []  # noqa: E731
+    processes = [subprocess.Popen([sys.executable, "-u", STUCK_CHILD, root, str(STUCK_GRACE_S), kind, shm, *extra(r)],
+                                  cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                  start_new_session=True) for r in range(ranks)]
+    try:
+        for process in processes:
+            line = process.stdout.readline()
+            assert line.strip() == "STAGED 2", (line, process.stderr.read() if process.poll() is not None else "")
+        started = time.monotonic()
+        for rank in signalled:
+            processes[rank].send_signal(signal.SIGTERM)
+        exits = []
+        for process in processes:
+            out, err = process.communicate(timeout=EXIT_BOUND_S)
+            exits.append({"rc": process.returncode, "err": err, "after_s": time.monotonic() - started})
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.communicate()
+    return root, exits
+
+
+def assert_step_2_committed(root: str, exits: list[dict], ranks: int = 1) -> None:
+    for rank, end in enumerate(exits):
+        said = f"rank {rank}: {end}"
+        assert end["rc"] == PREEMPTED_EXIT_CODE, said
+        assert "closed for it" in end["err"] and "step 2 committed" in end["err"], said
+        assert "the checkpointer was closed for the loop" in end["err"], said
+    assert read_latest_marker(root) == "step_00000002"
+    state = {f"w{r}": {f"t{i}": torch.zeros(512 * 1024) for i in range(8)} for r in range(ranks)} | {"step": -1}
+    load(state, os.path.join(root, "step_00000002"), no_dist=True)  # the copy staged at step 2, not what followed
+    assert state["step"] == 2
+    assert all(bool((t == 2.0).all()) for r in range(ranks) for t in state[f"w{r}"].values())
+
+
+@pytest.mark.parametrize("kind", ["disk", "memory"])
+def test_a_loop_that_never_closes_still_gets_its_staged_save_committed(tmp_path, kind):
+    """The step after the signal never ends (a hang, a step longer than the grace): at 3/4 of
+    grace_s the watchdog closes for the loop (the disk save in flight committed; a memory-only
+    newest save written from the worker's copy and committed), then the grace ends the process (143)."""
+    root, exits = run_stuck_loops(tmp_path, kind)
+    assert_step_2_committed(root, exits)
+
+
+@pytest.mark.parametrize("kind, signalled", [("disk", (0, 1)), ("memory", (1,))])
+def test_two_stuck_ranks_commit_their_staged_save_together(tmp_path, kind, signalled):
+    """Both loops stuck after step 2 was staged (on disk, or memory-only), a signal to both ranks or
+    to rank 1 alone (rank 0 learns of it from the job's store, no agreement coming): each rank's
+    watchdog closes for its loop, the closes meet in the collectives a loop's would make, and step 2
+    is committed for both ranks; both end with 143 (none is left hanging)."""
+    root, exits = run_stuck_loops(tmp_path, kind, ranks=2, signalled=signalled)
+    assert_step_2_committed(root, exits, ranks=2)
+
+
+def _two_ranks_between_saves(rank: int, world_size: int, root: str, signal_at: int) -> None:
+    """One save at step 0, then a long stretch with none pending (no agreement to carry the signal):
+    rank 1 alone is signalled; both must stop after the same step, soon, through the store's board."""
+    import torch.distributed as dist
+
+    state = {f"w{rank}": torch.zeros(1 << 10), "step": -1}
+    ckpt = AsyncCheckpointer(root, CheckpointConfig(preemption_signals=(signal.SIGTERM,), worker_nice=None,
+                                                    worker_ionice=None, timeout_s=60))
+    stopped, signalled_at = None, None
+    for step in range(2000):
+        if ckpt.preempted:
+            stopped = step
+            break
+        ckpt.finalize()
+        if rank == 1 and step == signal_at:
+            signalled_at = time.monotonic()
+            os.kill(os.getpid(), signal.SIGTERM)
+        dist.all_reduce(torch.ones(1))  # the training step's collective: the ranks stay a step apart at most
+        time.sleep(0.01)
+        if step == 0:
+            ckpt.schedule_save(state, step=0)
+            ckpt.finalize(blocking=True)  # (committed: from here on no save is pending, no agreement is made)
+    took_s = time.monotonic() - signalled_at if signalled_at is not None else None
+    ckpt.close()
+    seen = [None] * world_size
+    dist.all_gather_object(seen, stopped)
+    assert stopped is not None and len(set(seen)) == 1, f"the ranks stopped at different steps: {seen}"
+    assert took_s is None or took_s < 15, f"rank 1 stopped {took_s:.1f}s after its signal"
+    assert read_latest_marker(root) == "step_00000000"
+
+
+def test_a_signal_between_saves_stops_every_rank_after_the_same_step(tmp_path):
+    from multirank import run_ranks
+
+    run_ranks(_two_ranks_between_saves, 2, str(tmp_path / "root"), random.Random().randrange(20, 60), timeout_s=180)

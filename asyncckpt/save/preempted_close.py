@@ -1,0 +1,59 @@
+"""AsyncCheckpointer's part in preemption (preemption.py): its calls take one lock, so the
+watchdog's close() for a loop that did not call it never runs beside one of the loop's; that
+close; the write of a memory-only newest save at a preempted close; and a closed checkpointer's error."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any, Callable, Optional
+
+from ..errors import CheckpointError
+from ..report import SaveReport
+from .inflight import InFlightSave
+from .staged_copy import persist_flight
+
+log = logging.getLogger("asyncckpt")
+
+
+def one_call_at_a_time(method: Callable) -> Callable:
+    """A checkpointer call, made under the checkpointer's lock (`_calls`, an RLock)."""
+
+    @functools.wraps(method)
+    def locked(self, *args: Any, **kwargs: Any) -> Any:
+        with self._calls:
+            return method(self, *args, **kwargs)
+
+    return locked
+
+
+class PreemptedClose:
+    """The checkpointer's closes after a preemption signal (its part kept here)."""
+
+    def _close_for_the_loop(self) -> bool:
+        """The preemption watchdog's close(), for a loop that has not called it near the grace's
+        end (preemption.py): once no call of the loop's is under way, within what is left of the
+        grace. True: it closed the checkpointer (False: the loop's calls held it, or closing failed)."""
+        if not self._calls.acquire(timeout=self._preemption.bound_s(self.config.timeout_s)):
+            return False  # a call of the loop's held them all along (its close commits; else the grace ends it)
+        try:
+            closed_here = not self._closed
+            self.close()
+            return closed_here
+        except Exception as exc:  # (closing() has said it on stderr)
+            log.debug("closing for the loop after a preemption signal failed: %r", exc)
+            return False
+        finally:
+            self._calls.release()
+
+    def _persist(self, staged: Optional[InFlightSave]) -> list[SaveReport]:
+        """A preempted close: the worker writes its copy of a memory-only newest save (staged_copy.py)."""
+        self._in_flight = persist_flight(staged, self._group, self._folders, self._janitor, self._worker)
+        self._finish_in_flight(blocking=True)
+        return self.finalize()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            why = " (for the loop, after a preemption signal: end the process, e.g. asyncckpt.requeue_exit())" \
+                if self._preemption.closed_for_the_loop else ""
+            raise CheckpointError(f"this AsyncCheckpointer is closed{why}")
