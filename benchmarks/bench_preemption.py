@@ -11,7 +11,7 @@ compared with a raw write + fsync of as many bytes to the same disk, alternating
 commits it (the time to its commit). Also, with no signal: the cost of reading `ckpt.preempted`
 once per step (goal < 1 us); of `finalize()` with nothing pending, which counts the loop's calls for
 several ranks' stop (preemption.py); and of one check of the store's board (a loopback TCPStore),
-which a thread of each rank makes once a second, off the loop.
+which a thread of each rank makes twice a second, off the loop.
 
     python benchmarks/bench_preemption.py --size-mib 1024 --rounds 3
 """
@@ -132,7 +132,7 @@ def finalize_cost_ns(root: str) -> tuple[float, float]:
 
 
 def board_check_us() -> float:
-    """One check of the board's key on a loopback TCPStore (what each rank's thread does once a second)."""
+    """One check of the board's key on a loopback TCPStore (what each rank's thread does twice a second)."""
     import torch.distributed as dist
 
     store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
@@ -189,7 +189,7 @@ def main() -> None:
     print(f"\n`ckpt.preempted` with no signal: {cost:.0f} ns per read (goal < 1000 ns)")
     print(f"`finalize()` with nothing pending: {finalize_ns:.0f} ns per call, of it {count_ns:.0f} ns counting "
           "the call (several ranks' stop)")
-    print(f"one check of the signal board (loopback TCPStore): {check_us:.0f} us, once a second per rank, "
+    print(f"one check of the signal board (loopback TCPStore): {check_us:.0f} us, twice a second per rank, "
           "on a thread of its own")
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

@@ -17,7 +17,7 @@ Several ranks: a rank's signal rides on the small all-reduce every schedule_save
 finalize poll of a pending save already make (ranks.py): no collective is added, and every rank
 turns `preempted` true after the same call, so all stop at the same step. Between saves there is
 no agreement, so a signalled rank also sets a key in the job's store (SignalBoard) that a thread of
-every rank checks once a second: it names the finalize() call after which every rank turns
+every rank checks twice a second: it names the finalize() call after which every rank turns
 `preempted` true (every rank makes the same calls; the signalled rank picks one far enough ahead,
 by how often its loop calls finalize, that every rank sees the key first), and a rank that got no
 signal arms its own watchdog from it, so with a loop stuck every rank still closes for its loop,

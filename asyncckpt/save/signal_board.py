@@ -13,8 +13,8 @@ import torch.distributed as dist
 
 log = logging.getLogger("asyncckpt")
 
-BOARD_POLL_S = 1.0  # how often each rank checks the board,
-BOARD_CHECKS_PER_S = 2000  # and less often past 2,000 ranks: the store serves at most this many checks a second
+BOARD_POLL_S = 0.5  # how often each rank checks the board,
+BOARD_CHECKS_PER_S = 2000  # and less often past 1,000 ranks: the store serves at most this many checks a second
 
 
 def board_poll_s(ranks: int) -> float:
@@ -40,7 +40,7 @@ class Posted:
 
 class SignalBoard:
     """A key in the job's store (the default group's) that a signalled rank sets: the other
-    ranks' watchdogs learn of the signal without a collective (one store check a second each)."""
+    ranks' watchdogs learn of the signal without a collective (two store checks a second each)."""
 
     def __init__(self, store) -> None:
         self._store = store

@@ -86,6 +86,55 @@ def test_sigterm_at_random_moments_commits_the_newest_staged_step(seed_root, tmp
         assert f"step {staged} committed" in run["err"] or "checkpoint is unchanged" in run["err"], said
 
 
+RANK_RUNS = 20 if os.environ.get("ASYNCCKPT_SOAK") == "1" else 3
+
+
+def preempt_two_ranks(seed_root: str, root: str, store: str, delay_s: float, signalled: tuple) -> list[dict]:
+    """preempt_child on two ranks (each in a session of its own), SIGTERM to the ranks `signalled`
+    `delay_s` after both installed their handlers."""
+    shutil.copytree(seed_root, root)
+    processes = [subprocess.Popen([sys.executable, "-u", CHILD, root, "100000", "20", str(r), "2", store], cwd=REPO,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+                 for r in range(2)]
+    try:
+        for process in processes:
+            line = process.stdout.readline()
+            assert line.strip() == "STARTED", (line, process.stderr.read() if process.poll() is not None else "")
+        time.sleep(delay_s)
+        for rank in signalled:
+            processes[rank].send_signal(signal.SIGTERM)
+        ends = []
+        for process in processes:
+            out, err = process.communicate(timeout=EXIT_BOUND_S)
+            ends.append({"rc": process.returncode, "out": out, "err": err})
+        return ends
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.communicate()
+
+
+def test_two_ranks_sigterm_at_random_moments_stop_together_at_the_newest_staged_step(seed_root, tmp_path):
+    """Two ranks, SIGTERM to one of them or both at a random moment (load_latest, staging, writes,
+    commits, between saves): both exit 143, having stopped after the same step, and that step's
+    save is committed and loads equal. CI runs 3; ASYNCCKPT_SOAK=1 runs 20."""
+    rng = random.Random(int(os.environ.get("ASYNCCKPT_SEED", time.time())))
+    for i in range(RANK_RUNS):
+        delay, signalled = WINDOW_S * (i + rng.random()) / RANK_RUNS, rng.choice([(0,), (1,), (0, 1)])
+        root = str(tmp_path / f"run{i}")
+        ends = preempt_two_ranks(seed_root, root, str(tmp_path / f"store{i}"), delay, signalled)
+        said = f"SIGTERM to {signalled} at {delay:.2f}s: " + " | ".join(f"{e['out']!r} {e['err'][-1500:]}" for e in ends)
+        assert [e["rc"] for e in ends] == [PREEMPTED_EXIT_CODE] * 2, said
+        staged = {int(e["out"].split("STAGED ")[1].split()[0]) for e in ends}
+        assert len(staged) == 1, said
+        step = staged.pop()
+        assert read_latest_marker(root) == f"step_{step:08d}", said
+        state = child_state(-1.0)
+        load(state, os.path.join(root, f"step_{step:08d}"), no_dist=True)
+        assert state["step"] == step and all(bool((t == step).all()) for t in state["w"].values()), said
+
+
 def test_a_grace_cut_short_leaves_the_last_committed_checkpoint(seed_root, tmp_path):
     """The worker is stopped (SIGSTOP) mid-save: close() gives the save up when grace_s runs
     out, says so, and the process still exits 143 with a committed checkpoint `latest`: the one
