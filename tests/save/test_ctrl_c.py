@@ -222,7 +222,11 @@ STEP_2_STAGED = textwrap.dedent(
     print(ckpt.worker_pid, flush=True)
     """
 )
-STUCK_WRITES = STEP_2_STAGED + "import time\ntime.sleep(600)\n"
+# the script freezes its worker itself, right as step 2 is staged: frozen by the test after it read
+# the pid, the worker could already have written step 2's 4 MiB (a loaded box): no write left to wait for
+STEP_2_FROZEN = STEP_2_STAGED.replace(
+    "print(ckpt.worker_pid", "import os, signal\nos.kill(ckpt.worker_pid, signal.SIGSTOP)\nprint(ckpt.worker_pid")
+STUCK_WRITES = STEP_2_FROZEN + "import time\ntime.sleep(600)\n"
 
 
 def test_a_second_ctrl_c_ends_at_once_and_the_last_committed_checkpoint_is_intact(tmp_path):
@@ -231,8 +235,7 @@ def test_a_second_ctrl_c_ends_at_once_and_the_last_committed_checkpoint_is_intac
     kills the worker, and step 1 (committed before) is intact and still `latest`."""
     root = str(tmp_path / "ckpt")
     script = start(tmp_path, "stuck", STUCK_WRITES, root)
-    worker = int(script.stdout.readline())
-    os.kill(worker, signal.SIGSTOP)  # its writes never end
+    worker = int(script.stdout.readline())  # (frozen by the script: its writes never end)
     os.killpg(script.pid, signal.SIGINT)
     time.sleep(1.5)
     assert script.poll() is None  # it waits for the staged save (the bound is its writes)
@@ -306,7 +309,7 @@ def _status(pid: int, field: str) -> str:
         return next(line.split()[1] for line in f if line.startswith(field + ":"))
 
 
-CLOSING = STEP_2_STAGED + textwrap.dedent(
+CLOSING = STEP_2_FROZEN + textwrap.dedent(
     """
     sys.stdin.readline()  # the test froze the worker: close() now waits for its writes
     print("closing", flush=True)
@@ -325,8 +328,7 @@ def test_ctrl_c_inside_close_commits_the_staged_save_and_says_so(tmp_path):
     path.write_text(PREAMBLE + CLOSING)
     script = subprocess.Popen([sys.executable, str(path), root], cwd=REPO, stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    worker = int(script.stdout.readline())
-    os.kill(worker, signal.SIGSTOP)  # its writes wait until the SIGINT landed inside close()
+    worker = int(script.stdout.readline())  # (frozen by the script: its writes wait until the SIGINT landed in close())
     script.stdin.write("go\n")
     script.stdin.flush()
     assert script.stdout.readline() == "closing\n"
