@@ -12,6 +12,7 @@ import os
 import secrets
 import socket
 import threading
+import time
 from typing import Any, Optional
 
 from .memory_file import NotACopy, read_copy
@@ -108,7 +109,7 @@ class CopyServer:
     def _keep(self, conn: socket.socket, peer: Any, rank: int, request: dict[str, Any]) -> None:
         tmp = temporary(self.expected, rank)
         try:
-            receive_file(conn, tmp, int(request["length"]))
+            receive_file(conn, tmp, int(request["length"]), deadline=time.monotonic() + self.timeout_s)
             copy = keep_if_valid(tmp, self.expected, rank, str(request.get("token")))
         except (OSError, ReplicaError, ValueError, KeyError) as exc:
             if os.path.exists(tmp):

@@ -25,6 +25,7 @@ import secrets
 import socket
 import struct
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -129,10 +130,12 @@ def _connect(address: Address, secret: bytes, request: dict[str, Any], timeout_s
     return sock
 
 
-def receive_file(sock: socket.socket, path: str, size: int, ranges: Optional[list[tuple[int, int]]] = None) -> None:
+def receive_file(sock: socket.socket, path: str, size: int, ranges: Optional[list[tuple[int, int]]] = None,
+                 deadline: Optional[float] = None) -> None:
     """Bytes from `sock` into a new private file of `size` bytes at `path`: all of it, or only
     `ranges` ((offset, length), in order; holes elsewhere). Room for what is received is reserved
-    first: a full tmpfs is ENOSPC here, never a SIGBUS."""
+    first: a full tmpfs is ENOSPC here, never a SIGBUS. `deadline` (monotonic): Truncated past it,
+    however steadily the bytes trickle in (the socket's timeout bounds each receive only)."""
     pieces = [(0, size)] if ranges is None else [(at, n) for at, n in ranges if n]
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     try:
@@ -148,6 +151,8 @@ def receive_file(sock: socket.socket, path: str, size: int, ranges: Optional[lis
                 for at, n in pieces:
                     got = 0
                     while got < n:
+                        if deadline is not None and time.monotonic() > deadline:
+                            raise Truncated(f"{got} of {n} bytes at {at} received when the pull's time ran out")
                         received = sock.recv_into(view[at + got:at + min(n, got + CHUNK)])
                         if received == 0:
                             raise Truncated(f"the sender stopped after {got} of {n} bytes at {at}")
@@ -254,7 +259,8 @@ def pull_items(address: Address, secret: bytes, rank: int, token: str, items: li
 def _fetch(address: Address, secret: bytes, request: dict[str, Any], path: str,
            ranges: Optional[list[tuple[int, int]]], timeout_s: float) -> int:
     """Send a `get` and receive what it names into a new file at `path`; the file's size.
-    ReplicaError (and no file) when it could not."""
+    ReplicaError (and no file) when it could not, or not within `timeout_s` in all."""
+    deadline = time.monotonic() + timeout_s
     try:
         sock = _connect(address, secret, request, timeout_s)
     except OSError as exc:
@@ -264,7 +270,7 @@ def _fetch(address: Address, secret: bytes, request: dict[str, Any], path: str,
         if "error" in reply:
             raise ReplicaError(f"{address}: {reply['error']}")
         size = int(reply["size"])
-        receive_file(sock, path, size, ranges)
+        receive_file(sock, path, size, ranges, deadline)
         return size
     except BaseException as exc:
         if os.path.exists(path):

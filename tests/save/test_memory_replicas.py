@@ -241,6 +241,46 @@ def test_a_connection_without_the_jobs_secret_is_refused_and_nothing_written(sea
     assert "does not know this job's secret" in caplog.text
 
 
+def test_a_pull_from_a_peer_that_trickles_its_bytes_ends_within_its_bound(tmp_path):
+    """A peer that answers and then sends a byte every 20 ms never trips the socket's per-receive
+    timeout; the pull still gives up once timeout_s has passed in all, and leaves no file."""
+    from asyncckpt.replica_wire import NONCE_BYTES, receive_exactly, send_message
+
+    expected = Expected(str(tmp_path), "root", 1, lambda rank: f"copy-{rank}")
+    sock, stop = listener("127.0.0.1"), threading.Event()
+
+    def trickle() -> None:
+        conn, _ = sock.accept()
+        with conn:
+            conn.sendall(os.urandom(NONCE_BYTES))
+            head = receive_exactly(conn, 32 + 4)
+            receive_exactly(conn, int.from_bytes(head[32:], "little"))  # the request
+            send_message(conn, {"size": 1 << 20})
+            while not stop.is_set():
+                try:
+                    conn.sendall(b"x")
+                except OSError:
+                    return
+                time.sleep(0.02)
+
+    def pulling() -> None:
+        try:
+            pull(Address(*sock.getsockname()[:2]), new_secret(), expected, 0, "token", 1.0)
+        except ReplicaError as exc:
+            outcome.append(exc)
+
+    outcome: list = []
+    threading.Thread(target=trickle, daemon=True).start()
+    puller = threading.Thread(target=pulling, daemon=True)
+    puller.start()
+    puller.join(15)  # (without the bound: 1 MiB at 50 bytes a second)
+    stop.set()
+    sock.close()
+    assert not puller.is_alive(), "the pull was still receiving 15 s later"
+    assert outcome and "time ran out" in str(outcome[0])
+    assert os.listdir(tmp_path) == []
+
+
 def test_a_damaged_copy_is_not_kept_and_a_damaged_source_is_not_pulled(sealed_copy, tmp_path, caplog):
     path, copy, expected = sealed_copy
     item = next(i for i in copy.items if i.length > 1000)
