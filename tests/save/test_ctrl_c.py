@@ -235,7 +235,7 @@ def test_a_second_ctrl_c_ends_at_once_and_the_last_committed_checkpoint_is_intac
     kills the worker, and step 1 (committed before) is intact and still `latest`."""
     root = str(tmp_path / "ckpt")
     script = start(tmp_path, "stuck", STUCK_WRITES, root)
-    worker = int(script.stdout.readline())  # (frozen by the script: its writes never end)
+    int(script.stdout.readline())  # the worker's pid: the script froze it (its writes never end)
     os.killpg(script.pid, signal.SIGINT)
     time.sleep(1.5)
     assert script.poll() is None  # it waits for the staged save (the bound is its writes)
