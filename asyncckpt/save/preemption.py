@@ -34,9 +34,9 @@ The watchdog then has close() run on a thread of its own ("asyncckpt-takeover"),
 the loop's close() would: commit the save in flight, write a memory-only newest one. The
 checkpointer's calls take one lock, so that thread never runs beside a call of the loop's: it waits
 for one that is under way (which, if it is close(), commits anyway). With several ranks every
-rank's watchdog does so (a rank that got no signal arms its own at the agreement that told it), and
-their closes meet in the same collectives a loop's would. The process still ends when the grace
-does, unless the loop's own close() came.
+rank's watchdog does so (a rank that got no signal arms its own at the agreement or the board that
+told it), and their closes meet in the same collectives a loop's would. The process still ends
+when the grace does, unless the loop's own close() came.
 """
 
 from __future__ import annotations
