@@ -347,7 +347,7 @@ def run_stuck_loops(tmp_path, kind: str, ranks: int = 1, signalled: tuple = (0,)
     """preempt_stuck_child on `ranks` ranks (each in a session of its own), SIGTERM to the ranks
     `signalled` once every rank has staged step 2; returns the root and each rank's exit."""
     root, shm = str(tmp_path / "root"), str(tmp_path / "shm")
-    os.makedirs(shm, exist_ok=True)
+    os.makedirs(shm)
     extra = lambda rank: [str(rank), str(ranks), str(tmp_path / "store")] if ranks > 1 else []  # noqa: E731
     processes = [subprocess.Popen([sys.executable, "-u", STUCK_CHILD, root, str(STUCK_GRACE_S), kind, shm, *extra(r)],
                                   cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -384,23 +384,27 @@ def assert_step_2_committed(root: str, exits: list[dict], ranks: int = 1) -> Non
     assert all(bool((t == 2.0).all()) for r in range(ranks) for t in state[f"w{r}"].values())
 
 
-@pytest.mark.parametrize("kind", ["disk", "memory"])
-def test_a_loop_that_never_closes_still_gets_its_staged_save_committed(tmp_path, kind):
+def test_a_loop_that_never_closes_still_gets_its_staged_save_committed(tmp_path):
     """The step after the signal never ends (a hang, a step longer than the grace): at 3/4 of
     grace_s the watchdog closes for the loop (the disk save in flight committed; a memory-only
-    newest save written from the worker's copy and committed), then the grace ends the process (143)."""
-    root, exits = run_stuck_loops(tmp_path, kind)
-    assert_step_2_committed(root, exits)
+    newest save written from the worker's copy and committed), then the grace ends the process
+    (143). The two kinds run at once (each mostly waits for its grace)."""
+    with ThreadPoolExecutor(2) as pool:
+        ends = list(pool.map(lambda kind: run_stuck_loops(tmp_path / kind, kind), ["disk", "memory"]))
+    for root, exits in ends:
+        assert_step_2_committed(root, exits)
 
 
-@pytest.mark.parametrize("kind, signalled", [("disk", (0, 1)), ("memory", (1,))])
-def test_two_stuck_ranks_commit_their_staged_save_together(tmp_path, kind, signalled):
+def test_two_stuck_ranks_commit_their_staged_save_together(tmp_path):
     """Both loops stuck after step 2 was staged (on disk, or memory-only), a signal to both ranks or
     to rank 1 alone (rank 0 learns of it from the job's store, no agreement coming): each rank's
     watchdog closes for its loop, the closes meet in the collectives a loop's would make, and step 2
-    is committed for both ranks; both end with 143 (none is left hanging)."""
-    root, exits = run_stuck_loops(tmp_path, kind, ranks=2, signalled=signalled)
-    assert_step_2_committed(root, exits, ranks=2)
+    is committed for both ranks; both end with 143 (none is left hanging). The two cases run at once."""
+    cases = [("disk", (0, 1)), ("memory", (1,))]
+    with ThreadPoolExecutor(2) as pool:
+        ends = list(pool.map(lambda case: run_stuck_loops(tmp_path / case[0], case[0], 2, case[1]), cases))
+    for root, exits in ends:
+        assert_step_2_committed(root, exits, ranks=2)
 
 
 def _two_ranks_between_saves(rank: int, world_size: int, root: str, signal_at: int) -> None:
