@@ -16,10 +16,10 @@ The server is replica_server.py.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import hmac
 import json
-import mmap
 import os
 import secrets
 import socket
@@ -34,7 +34,6 @@ from .memory_file import MemoryCopy, NotACopy, StoredItem, check_items, verify_c
 NONCE_BYTES = 32
 CHUNK = 8 << 20  # sendfile / receive piece: a cancelled push stops within one
 _LENGTH = struct.Struct("<I")
-_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 MAX_REQUEST = 16 << 20  # a request naming the items of a large copy
 SOCKET_BUFFER = 4 << 20  # each way: fewer wake-ups per copy (a loopback pull of 260 MiB: ~15 % sooner)
 
@@ -133,34 +132,44 @@ def _connect(address: Address, secret: bytes, request: dict[str, Any], timeout_s
 def receive_file(sock: socket.socket, path: str, size: int, ranges: Optional[list[tuple[int, int]]] = None,
                  deadline: Optional[float] = None) -> None:
     """Bytes from `sock` into a new private file of `size` bytes at `path`: all of it, or only
-    `ranges` ((offset, length), in order; holes elsewhere). Room for what is received is reserved
-    first: a full tmpfs is ENOSPC here, never a SIGBUS. `deadline` (monotonic): Truncated past it,
-    however steadily the bytes trickle in (the socket's timeout bounds each receive only)."""
+    `ranges` ((offset, length), in order; holes elsewhere). Received into one reused buffer and
+    written on with pwrite: a tmpfs then neither zeroes a page first nor faults one in (a loopback
+    copy of 256 MiB: 0.17 s, against 0.28 s into a reserved, mapped file), and a full one is ENOSPC,
+    never a SIGBUS; too little free room is ENOSPC before anything is received. `deadline`
+    (monotonic): Truncated past it, however steadily the bytes trickle in (the socket's timeout
+    bounds each receive only)."""
     pieces = [(0, size)] if ranges is None else [(at, n) for at, n in ranges if n]
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     try:
+        _check_room(fd, path, sum(n for _, n in pieces))
         os.ftruncate(fd, size)
-        for at, n in pieces:
-            os.posix_fallocate(fd, at, n)
         if not size:
             return
-        populate = _POPULATE if ranges is None else 0  # no fault per page; a sparse file's holes stay holes
-        with mmap.mmap(fd, size, flags=mmap.MAP_SHARED | populate) as mapped:
-            view = memoryview(mapped)
-            try:
-                for at, n in pieces:
-                    got = 0
-                    while got < n:
-                        if deadline is not None and time.monotonic() > deadline:
-                            raise Truncated(f"{got} of {n} bytes at {at} received when the pull's time ran out")
-                        received = sock.recv_into(view[at + got:at + min(n, got + CHUNK)])
-                        if received == 0:
-                            raise Truncated(f"the sender stopped after {got} of {n} bytes at {at}")
-                        got += received
-            finally:
-                view.release()
+        buffer = memoryview(bytearray(min(CHUNK, max(n for _, n in pieces))))
+        for at, n in pieces:
+            got = 0
+            while got < n:
+                want, filled = min(len(buffer), n - got), 0
+                while filled < want:
+                    if deadline is not None and time.monotonic() > deadline:
+                        raise Truncated(f"{got + filled} of {n} bytes at {at} received when the pull's time ran out")
+                    received = sock.recv_into(buffer[filled:want])
+                    if received == 0:
+                        raise Truncated(f"the sender stopped after {got + filled} of {n} bytes at {at}")
+                    filled += received
+                written = 0
+                while written < filled:
+                    written += os.pwrite(fd, buffer[written:filled], at + got + written)
+                got += filled
     finally:
         os.close(fd)
+
+
+def _check_room(fd: int, path: str, nbytes: int) -> None:
+    """ENOSPC now when the file system holding `path` has less than `nbytes` free."""
+    stats = os.fstatvfs(fd)
+    if stats.f_bavail * stats.f_frsize < nbytes:
+        raise OSError(errno.ENOSPC, f"{nbytes} bytes do not fit ({stats.f_bavail * stats.f_frsize} free)", path)
 
 
 def keep_if_valid(tmp: str, expected: Expected, rank: int, token: Optional[str]) -> MemoryCopy:

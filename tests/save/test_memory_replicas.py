@@ -281,6 +281,21 @@ def test_a_pull_from_a_peer_that_trickles_its_bytes_ends_within_its_bound(tmp_pa
     assert os.listdir(tmp_path) == []
 
 
+def test_a_copy_that_does_not_fit_is_refused_before_a_byte_is_received(tmp_path, monkeypatch):
+    """Its file system has less room than the copy: ENOSPC at once (the sender is not waited for)."""
+    import errno
+    import socket
+    from types import SimpleNamespace
+
+    from asyncckpt.replica_wire import receive_file
+
+    monkeypatch.setattr(os, "fstatvfs", lambda fd: SimpleNamespace(f_bavail=10, f_frsize=4096))
+    ours, theirs = socket.socketpair()
+    with ours, theirs, pytest.raises(OSError) as raised:
+        receive_file(ours, str(tmp_path / "copy"), 1 << 20)
+    assert raised.value.errno == errno.ENOSPC
+
+
 def test_a_damaged_copy_is_not_kept_and_a_damaged_source_is_not_pulled(sealed_copy, tmp_path, caplog):
     path, copy, expected = sealed_copy
     item = next(i for i in copy.items if i.length > 1000)
