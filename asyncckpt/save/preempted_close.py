@@ -10,7 +10,9 @@ from typing import Any, Callable, Optional
 
 from ..errors import CheckpointError
 from ..report import SaveReport
+from .at_exit import say
 from .inflight import InFlightSave
+from .preemption import requeue_exit
 from .staged_copy import persist_flight
 
 log = logging.getLogger("asyncckpt")
@@ -39,6 +41,7 @@ class PreemptedClose:
         try:
             closed_here = not self._closed
             self.close()
+            self._preemption.closed_for_the_loop = closed_here  # (under the lock: the loop's next call sees it)
             return closed_here
         except Exception as exc:  # (closing() has said it on stderr)
             log.debug("closing for the loop after a preemption signal failed: %r", exc)
@@ -53,7 +56,11 @@ class PreemptedClose:
         return self.finalize()
 
     def _check_open(self) -> None:
+        """CheckpointError if closed; after a close for the loop, a call means the loop knows nothing
+        of the signal (torchtitan's, through async_save): the process ends now, with 128 + signal."""
+        if self._closed and self._preemption.closed_for_the_loop:
+            say(logging.WARNING, "asyncckpt: preempted: a save was asked after the checkpointer was closed for the "
+                                 "loop (above); exiting now, as requeue_exit() does")
+            requeue_exit()
         if self._closed:
-            why = " (for the loop, after a preemption signal: end the process, e.g. asyncckpt.requeue_exit())" \
-                if self._preemption.closed_for_the_loop else ""
-            raise CheckpointError(f"this AsyncCheckpointer is closed{why}")
+            raise CheckpointError("this AsyncCheckpointer is closed")

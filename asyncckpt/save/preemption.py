@@ -73,8 +73,8 @@ class Preemption:
 
     def __init__(self, signals: tuple[int, ...], grace_s: float, kill_worker: Callable[[], None], group,
                  take_over: Callable[[], bool]) -> None:
-        """`take_over`: close() the checkpointer from the watchdog; True once it closed it, False if
-        the loop's calls held it until the grace's end or the close failed."""
+        """`take_over`: close() the checkpointer from the watchdog; it sets `closed_for_the_loop` once
+        it did (not if the loop's calls held it until the grace's end, or the close failed)."""
         self.signum: Optional[int] = None  # the first signal that came
         self.grace_s = grace_s
         self.newest = None  # the SaveReport of the newest committed save (memory-only ones included)
@@ -85,7 +85,7 @@ class Preemption:
         self._kill_worker = kill_worker
         self._take_over = take_over
         self._takeover: Optional[threading.Thread] = None  # the thread running close() for the loop
-        self.closed_for_the_loop = False  # that close() ran to its end
+        self.closed_for_the_loop = False  # that close() ran to its end (set by the checkpointer, under its lock)
         self._closed = threading.Event()
         self._wake: Optional[tuple[int, int]] = None  # the watchdog's pipe (read end, write end)
         self._group = group  # several ranks: the flag rides on the agreements the saves make anyway (ranks.py)
@@ -209,7 +209,7 @@ class Preemption:
                         posted.rank, posted.stop_after)
 
     def _close_for_the_loop(self) -> None:
-        self.closed_for_the_loop = self._take_over()
+        self._take_over()  # (sets closed_for_the_loop once it closed the checkpointer)
 
     @property
     def taking_over(self) -> bool:

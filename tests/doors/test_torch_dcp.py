@@ -12,6 +12,7 @@ import signal
 import threading
 import time
 from concurrent.futures import Future
+from multiprocessing.pool import ThreadPool
 
 import pytest
 import torch
@@ -377,28 +378,45 @@ def test_with_the_memory_tier_the_resume_loads_the_newest_save_from_memory(tmp_p
         assert bool(from_memory) == (path == newest), path
 
 
-def test_a_preemption_signal_commits_the_staged_save_of_a_loop_that_never_looks(tmp_path):
-    """torchtitan through async_save, `preemption_signals` in `configure()`: its loop knows nothing
-    of the signal; the save staged before it is committed (stock dcp.load reads it, with the values
-    staged), and the process ends with 143 when grace_s runs out, saying what was saved."""
+def _preempted_dcp_loop(base, grace_s: float, saves_after_s: float) -> tuple[int, str, str]:
+    """dcp_preempt_child in a session of its own, SIGTERM once it staged step-2: its exit status and output."""
     import subprocess
     import sys
 
-    from asyncckpt.save.preemption import PREEMPTED_EXIT_CODE
     from conftest import REPO
 
     child = os.path.join(os.path.dirname(__file__), "dcp_preempt_child.py")
-    process = subprocess.Popen([sys.executable, "-u", child, str(tmp_path), "4"], cwd=REPO, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True, start_new_session=True)
+    process = subprocess.Popen([sys.executable, "-u", child, str(base), str(grace_s), str(saves_after_s)], cwd=REPO,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         line = process.stdout.readline()
         assert line.strip() == "STAGED 2", (line, process.stderr.read() if process.poll() is not None else "")
         process.send_signal(signal.SIGTERM)
-        _, err = process.communicate(timeout=90)
+        out, err = process.communicate(timeout=90)
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
             process.communicate()
-    assert process.returncode == PREEMPTED_EXIT_CODE, err
-    assert "closed for it" in err and f"committed ({tmp_path}/step-2" in err, err
-    assert bool((_load(str(tmp_path / "step-2"), {"w": torch.zeros(1 << 20)})["w"] == 2.0).all())
+    return process.returncode, out, err
+
+
+def test_a_preemption_signal_commits_the_staged_save_of_a_loop_that_never_looks(tmp_path):
+    """torchtitan through async_save, `preemption_signals` in `configure()`: its loop knows nothing
+    of the signal; the save staged before it is committed (stock dcp.load reads it, with the values
+    staged), and the process ends with 143 when grace_s runs out, saying what was saved. A loop
+    that saves on after the signal: the first save asked once the checkpointer was closed for it
+    ends the process (143, not an exception's 1), and every save committed before loads equal."""
+    from asyncckpt.save.preemption import PREEMPTED_EXIT_CODE
+
+    with ThreadPool(2) as pool:
+        (rc, _, err), (rc_on, out_on, err_on) = pool.starmap(
+            _preempted_dcp_loop, [(tmp_path / "idle", 4, 0), (tmp_path / "saving", 8, 1)])
+    assert rc == PREEMPTED_EXIT_CODE, err
+    assert "closed for it" in err and f"committed ({tmp_path}/idle/step-2" in err, err
+    assert bool((_load(str(tmp_path / "idle" / "step-2"), {"w": torch.zeros(1 << 20)})["w"] == 2.0).all())
+    assert rc_on == PREEMPTED_EXIT_CODE, err_on
+    assert "a save was asked after the checkpointer was closed for the loop" in err_on, err_on
+    staged = [2] + [int(line.split()[1]) for line in out_on.splitlines() if line.startswith("STAGED")]
+    assert len(staged) > 2, out_on  # (it saved on after the signal until the close for it)
+    for step in staged:  # each staged before the close: committed by the door or by the close
+        assert bool((_load(str(tmp_path / "saving" / f"step-{step}"), {"w": torch.zeros(1 << 20)})["w"] == step).all())
