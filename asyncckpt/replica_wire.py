@@ -143,17 +143,26 @@ def receive_file(sock: socket.socket, path: str, size: int, ranges: Optional[lis
     try:
         _check_room(fd, path, sum(n for _, n in pieces))
         os.ftruncate(fd, size)
-        if not size:
+        if not pieces:
             return
         buffer = memoryview(bytearray(min(CHUNK, max(n for _, n in pieces))))
+        per_receive_s = sock.gettimeout()
         for at, n in pieces:
             got = 0
             while got < n:
                 want, filled = min(len(buffer), n - got), 0
                 while filled < want:
-                    if deadline is not None and time.monotonic() > deadline:
-                        raise Truncated(f"{got + filled} of {n} bytes at {at} received when the pull's time ran out")
-                    received = sock.recv_into(buffer[filled:want])
+                    if deadline is not None:
+                        left_s = deadline - time.monotonic()
+                        if left_s <= 0:
+                            raise Truncated(_late(got + filled, n, at))
+                        sock.settimeout(left_s if per_receive_s is None else min(per_receive_s, left_s))
+                    try:
+                        received = sock.recv_into(buffer[filled:want])
+                    except TimeoutError:
+                        if deadline is not None and time.monotonic() >= deadline:
+                            raise Truncated(_late(got + filled, n, at)) from None
+                        raise
                     if received == 0:
                         raise Truncated(f"the sender stopped after {got + filled} of {n} bytes at {at}")
                     filled += received
@@ -163,6 +172,10 @@ def receive_file(sock: socket.socket, path: str, size: int, ranges: Optional[lis
                 got += filled
     finally:
         os.close(fd)
+
+
+def _late(got: int, n: int, at: int) -> str:
+    return f"{got} of {n} bytes at {at} received when the pull's time ran out"
 
 
 def _check_room(fd: int, path: str, nbytes: int) -> None:

@@ -20,6 +20,7 @@ from ..storage import storage_for
 from .at_exit import say
 from .commit import RankOutcome
 from .inflight import InFlightSave
+from .preempted_close import one_call_at_a_time
 from .rank_worker import RankWorker
 
 POLL_S = 0.05
@@ -31,6 +32,7 @@ class InterruptedExit:
 
     _scheduling: Optional[str] = None  # the save schedule_save is handing over (set there, cleared when it returns)
 
+    @one_call_at_a_time  # (not beside a close the preemption watchdog runs for the loop)
     def close_interrupted(self) -> str:
         """close() at the exit of a script Ctrl-C ended (at_exit.py): a save already staged is
         committed, anything earlier given up at once. Returns what happened, in words."""

@@ -38,15 +38,15 @@ class PreemptedClose:
         grace. True: it closed the checkpointer (False: the loop's calls held it, or closing failed)."""
         if not self._calls.acquire(timeout=self._preemption.bound_s(self.config.timeout_s)):
             return False  # a call of the loop's held them all along (its close commits; else the grace ends it)
+        closed_here = not self._closed
         try:
-            closed_here = not self._closed
             self.close()
-            self._preemption.closed_for_the_loop = closed_here  # (under the lock: the loop's next call sees it)
             return closed_here
         except Exception as exc:  # (closing() has said it on stderr)
             log.debug("closing for the loop after a preemption signal failed: %r", exc)
             return False
-        finally:
+        finally:  # (failed or not, it is closed: the loop's next save ends the process, as below)
+            self._preemption.closed_for_the_loop = closed_here  # (under the lock: the loop's next call sees it)
             self._calls.release()
 
     def _persist(self, staged: Optional[InFlightSave]) -> list[SaveReport]:

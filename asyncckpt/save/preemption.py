@@ -153,8 +153,8 @@ class Preemption:
             os.read(wake_r, 1)
         finally:
             os.close(wake_r)
-        if self._board is not None and self.signum is not None:
-            self._posted = self._board.post(Posted(self._group.rank, time.time(), self._calls + self._calls_ahead()))
+        if self._board is not None and self.signum is not None:  # (its own thread: a store that does not
+            threading.Thread(target=self._post, name="asyncckpt-preemption-post", daemon=True).start()  # answer
         if not self._armed or self._closed.wait(max(0.0, self._at + TAKEOVER_AT * self.grace_s - time.monotonic())):
             return
         self.preempted = True  # (every rank's close does as after an agreement: they all get here)
@@ -163,7 +163,12 @@ class Preemption:
         if self._closed.wait(max(0.0, self._at + self.grace_s - time.monotonic())):
             return
         after = "the checkpointer was closed for the loop (above)" if self.closed_for_the_loop else ""
-        end_now(self.signum or signal.SIGTERM, self._kill_worker, f"grace_s ({self.grace_s:g}s) ran out", after)
+        end_now(self.signum or _received or signal.SIGTERM, self._kill_worker, f"grace_s ({self.grace_s:g}s) ran out", after)
+
+    def _post(self) -> None:
+        """Post this rank's signal on the board (or take the post of a rank that was first)."""
+        posted = Posted(self._group.rank, self.signum, time.time(), self._calls + self._calls_ahead())
+        self._posted = self._board.post(posted)
 
     def _poll_board(self) -> None:
         """Several ranks: arm this rank's watchdog once another rank's signal is on the board."""
@@ -173,6 +178,8 @@ class Preemption:
                 return  # (a signal here, or an agreement, came first)
             posted = self._board.posted()
             if posted is not None:
+                global _received
+                _received = _received or posted.signum  # (this rank exits as the signalled one does)
                 self._posted = posted
                 if not self._armed:  # the grace counts from the signal, as on the rank that got it
                     self._at, self._armed = time.monotonic() - min(max(time.time() - posted.at, 0.0), poll_s), True

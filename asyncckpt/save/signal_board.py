@@ -23,19 +23,21 @@ def board_poll_s(ranks: int) -> float:
 
 @dataclass(frozen=True)
 class Posted:
-    """A signalled rank's post: who, when (its wall clock), and the finalize() call every rank stops after."""
+    """A signalled rank's post: who, its signal, when (its wall clock), and the finalize() call every
+    rank stops after."""
 
     rank: int
+    signum: int
     at: float
     stop_after: int
 
     def text(self) -> str:
-        return f"{self.rank} {self.at!r} {self.stop_after}"
+        return f"{self.rank} {self.signum} {self.at!r} {self.stop_after}"
 
     @classmethod
     def parse(cls, data: bytes) -> Posted:
-        rank, at, stop_after = data.decode().split()
-        return cls(int(rank), float(at), int(stop_after))
+        rank, signum, at, stop_after = data.decode().split()
+        return cls(int(rank), int(signum), float(at), int(stop_after))
 
 
 class SignalBoard:

@@ -296,6 +296,17 @@ def test_a_copy_that_does_not_fit_is_refused_before_a_byte_is_received(tmp_path,
     assert raised.value.errno == errno.ENOSPC
 
 
+def test_receiving_only_empty_ranges_makes_a_file_of_holes(tmp_path):
+    import socket
+
+    from asyncckpt.replica_wire import receive_file
+
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        receive_file(ours, str(tmp_path / "copy"), 4096, ranges=[(0, 0), (100, 0)])
+    assert os.path.getsize(tmp_path / "copy") == 4096
+
+
 def test_a_damaged_copy_is_not_kept_and_a_damaged_source_is_not_pulled(sealed_copy, tmp_path, caplog):
     path, copy, expected = sealed_copy
     item = next(i for i in copy.items if i.length > 1000)
