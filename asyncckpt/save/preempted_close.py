@@ -32,19 +32,17 @@ def one_call_at_a_time(method: Callable) -> Callable:
 class PreemptedClose:
     """The checkpointer's closes after a preemption signal (its part kept here)."""
 
-    def _close_for_the_loop(self) -> bool:
+    def _close_for_the_loop(self) -> None:
         """The preemption watchdog's close(), for a loop that has not called it near the grace's
         end (preemption.py): once no call of the loop's is under way, within what is left of the
-        grace. True: it closed the checkpointer (False: the loop's calls held it, or closing failed)."""
+        grace. Sets `closed_for_the_loop` when it closed the checkpointer (failed or not)."""
         if not self._calls.acquire(timeout=self._preemption.bound_s(self.config.timeout_s)):
-            return False  # a call of the loop's held them all along (its close commits; else the grace ends it)
+            return  # a call of the loop's held them all along (its close commits; else the grace ends it)
         closed_here = not self._closed
         try:
             self.close()
-            return closed_here
         except Exception as exc:  # (closing() has said it on stderr)
             log.debug("closing for the loop after a preemption signal failed: %r", exc)
-            return False
         finally:  # (failed or not, it is closed: the loop's next save ends the process, as below)
             self._preemption.closed_for_the_loop = closed_here  # (under the lock: the loop's next call sees it)
             self._calls.release()

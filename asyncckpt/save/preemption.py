@@ -72,9 +72,9 @@ class Preemption:
     """The handlers of one checkpointer's preemption signals, and what its close() does after one."""
 
     def __init__(self, signals: tuple[int, ...], grace_s: float, kill_worker: Callable[[], None], group,
-                 take_over: Callable[[], bool]) -> None:
+                 take_over: Callable[[], None]) -> None:
         """`take_over`: close() the checkpointer from the watchdog; it sets `closed_for_the_loop` once
-        it did (not if the loop's calls held it until the grace's end, or the close failed)."""
+        it closed it, failed or not (not if the loop's calls held it until the grace's end)."""
         self.signum: Optional[int] = None  # the first signal that came
         self.grace_s = grace_s
         self.newest = None  # the SaveReport of the newest committed save (memory-only ones included)
@@ -85,7 +85,7 @@ class Preemption:
         self._kill_worker = kill_worker
         self._take_over = take_over
         self._takeover: Optional[threading.Thread] = None  # the thread running close() for the loop
-        self.closed_for_the_loop = False  # that close() ran to its end (set by the checkpointer, under its lock)
+        self.closed_for_the_loop = False  # take_over closed it (set by the checkpointer, under its lock)
         self._closed = threading.Event()
         self._wake: Optional[tuple[int, int]] = None  # the watchdog's pipe (read end, write end)
         self._group = group  # several ranks: the flag rides on the agreements the saves make anyway (ranks.py)
@@ -158,7 +158,7 @@ class Preemption:
         if not self._armed or self._closed.wait(max(0.0, self._at + TAKEOVER_AT * self.grace_s - time.monotonic())):
             return
         self.preempted = True  # (every rank's close does as after an agreement: they all get here)
-        self._takeover = threading.Thread(target=self._close_for_the_loop, name="asyncckpt-takeover", daemon=True)
+        self._takeover = threading.Thread(target=self._take_over, name="asyncckpt-takeover", daemon=True)
         self._takeover.start()
         if self._closed.wait(max(0.0, self._at + self.grace_s - time.monotonic())):
             return
@@ -188,7 +188,10 @@ class Preemption:
 
     def finalize_called(self) -> None:
         """The loop called finalize(): counted (a few hundred ns); past the board's call, `preempted`.
-        Decided here, on the loop's thread, so a rank stops after that call exactly or knows it cannot."""
+        Decided here, on the loop's thread, so a rank stops after that call exactly or knows it cannot.
+        Nothing to count without a board (one rank, no signals: the loop's hot path stays as it was)."""
+        if self._board is None:
+            return
         now = time.monotonic()
         if self._last_call_at:
             interval = now - self._last_call_at
@@ -214,9 +217,6 @@ class Preemption:
             log.warning("rank %d learned of rank %d's preemption signal after finalize call %d, where every rank "
                         "stops; it stops at the next agreement (a save) or when the grace ends", self._group.rank,
                         posted.rank, posted.stop_after)
-
-    def _close_for_the_loop(self) -> None:
-        self._take_over()  # (sets closed_for_the_loop once it closed the checkpointer)
 
     @property
     def taking_over(self) -> bool:
