@@ -1,9 +1,10 @@
 """The memory tier between nodes (CheckpointConfig(memory_replicas=R)): a worker pushes each copy
-it sealed to the workers of ranks on other nodes, and a restart pulls a copy its node lacks from a
-rank of a node that holds one. Plain TCP; every connection is authenticated (HMAC-SHA256 of a fresh
+it sealed to the workers of ranks on other nodes, and a restart reads what it needs of a copy its
+node lacks from a rank of a node that holds one, straight into its targets. Plain TCP; every connection is authenticated (HMAC-SHA256 of a fresh
 nonce under the job's secret, which rank 0 makes and the process group hands out), the bytes go
-with sendfile (no pickle), and a receiver keeps a copy only once its header and every item's
-CRC32C check out, renamed into place: a half-received or damaged copy never bears a copy's name.
+with sendfile (no pickle), and a receiver keeps a pushed copy only once its header and every
+item's CRC32C check out, renamed into place: a half-received or damaged copy never bears a copy's
+name (a restart's reader checks every item it reads the same way).
 The server is replica_server.py.
 
     server -> client   nonce (32 bytes)
@@ -29,7 +30,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from .memory_file import MemoryCopy, NotACopy, StoredItem, check_items, verify_copy
+from .memory_file import MemoryCopy, NotACopy, verify_copy
 
 NONCE_BYTES = 32
 CHUNK = 8 << 20  # sendfile / receive piece: a cancelled push stops within one
@@ -150,28 +151,36 @@ def receive_file(sock: socket.socket, path: str, size: int, ranges: Optional[lis
         for at, n in pieces:
             got = 0
             while got < n:
-                want, filled = min(len(buffer), n - got), 0
-                while filled < want:
-                    if deadline is not None:
-                        left_s = deadline - time.monotonic()
-                        if left_s <= 0:
-                            raise Truncated(_late(got + filled, n, at))
-                        sock.settimeout(left_s if per_receive_s is None else min(per_receive_s, left_s))
-                    try:
-                        received = sock.recv_into(buffer[filled:want])
-                    except TimeoutError:
-                        if deadline is not None and time.monotonic() >= deadline:
-                            raise Truncated(_late(got + filled, n, at)) from None
-                        raise
-                    if received == 0:
-                        raise Truncated(f"the sender stopped after {got + filled} of {n} bytes at {at}")
-                    filled += received
+                filled = min(len(buffer), n - got)
+                receive_into(sock, buffer[:filled], deadline, per_receive_s, lambda done: _late(got + done, n, at))
                 written = 0
                 while written < filled:
                     written += os.pwrite(fd, buffer[written:filled], at + got + written)
                 got += filled
     finally:
         os.close(fd)
+
+
+def receive_into(sock: socket.socket, view: memoryview, deadline: Optional[float], per_receive_s: Optional[float],
+                 late: Callable[[int], str]) -> None:
+    """Fill `view` from `sock`; Truncated when the sender stops first or `deadline` (monotonic)
+    passes (`late(bytes received)` says so), each receive bounded by `per_receive_s` too."""
+    filled, want = 0, len(view)
+    while filled < want:
+        if deadline is not None:
+            left_s = deadline - time.monotonic()
+            if left_s <= 0:
+                raise Truncated(late(filled))
+            sock.settimeout(left_s if per_receive_s is None else min(per_receive_s, left_s))
+        try:
+            received = sock.recv_into(view[filled:])
+        except TimeoutError:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise Truncated(late(filled)) from None
+            raise
+        if received == 0:
+            raise Truncated(f"the sender stopped after {filled} of {want} bytes")
+        filled += received
 
 
 def _late(got: int, n: int, at: int) -> str:
@@ -254,51 +263,47 @@ class Push:
         return length
 
 
-def pull(address: Address, secret: bytes, expected: Expected, rank: int, token: str, timeout_s: float) -> int:
-    """Fetch rank `rank`'s copy of save `token` from the peer at `address` into its file here;
-    bytes received. ReplicaError when it could not (nothing is left under the copy's name)."""
-    tmp = temporary(expected, rank)
-    size = _fetch(address, secret, {"op": "get", "rank": rank, "token": token}, tmp, None, timeout_s)
-    keep_if_valid(tmp, expected, rank, token)
-    return size
+class Ranges:
+    """Byte ranges of a copy a peer holds, received straight into the caller's buffers, in order
+    (a restart reads another node's copy into its targets: loading/peer_source.py). No file here
+    and no second pass: the reader checks each item's CRC32C as it lands. `timeout_s` bounds
+    the whole exchange, however steadily the bytes trickle in."""
 
+    def __init__(self, address: Address, secret: bytes, rank: int, token: str, ranges: list[tuple[int, int]],
+                 timeout_s: float) -> None:
+        self.address = address
+        self.deadline = time.monotonic() + timeout_s
+        self.left = sum(n for _, n in ranges)
+        try:
+            self.sock = _connect(address, secret, {"op": "get", "rank": rank, "token": token, "ranges": ranges},
+                                 timeout_s)
+        except OSError as exc:
+            raise ReplicaError(f"cannot reach {address}: {exc}") from None
+        try:
+            reply = receive_message(self.sock)
+            if "error" in reply:
+                raise ReplicaError(f"{address}: {reply['error']}")
+            if int(reply["length"]) != self.left:
+                raise ReplicaError(f"{address} offers {reply['length']} bytes, not the {self.left} asked for")
+        except BaseException as exc:
+            self.sock.close()
+            if isinstance(exc, (OSError, ValueError, KeyError)):
+                raise ReplicaError(f"{address}: {exc}") from None
+            raise
+        self._per_receive_s = self.sock.gettimeout()
 
-def pull_items(address: Address, secret: bytes, rank: int, token: str, items: list[StoredItem], into: str,
-               timeout_s: float) -> int:
-    """Fetch only `items` of rank `rank`'s copy of save `token` (a restart that reads a few entries
-    of another rank's copy) into a new private file `into`, each at its offset (holes elsewhere),
-    every item's CRC32C checked; bytes received. ReplicaError (and no file) when it could not."""
-    ranges = [(item.at, item.length) for item in items]
-    _fetch(address, secret, {"op": "get", "rank": rank, "token": token, "ranges": ranges}, into, ranges, timeout_s)
-    try:
-        check_items(into, items)
-    except NotACopy as exc:
-        os.unlink(into)
-        raise ReplicaError(f"rank {rank}'s copy from {address}: {exc}") from None
-    return sum(n for _, n in ranges)
+    def receive(self, view: memoryview) -> None:
+        """The next len(view) bytes into `view`; ReplicaError if they do not come in time."""
+        if len(view) > self.left:
+            raise ReplicaError(f"{len(view)} bytes wanted, {self.left} left of what was asked for")
+        try:
+            receive_into(self.sock, view, self.deadline, self._per_receive_s,
+                         lambda got: f"{got} of {len(view)} bytes received when the read's time ran out")
+        except OSError as exc:
+            raise ReplicaError(f"{self.address}: {exc}") from None
+        except ReplicaError as exc:
+            raise ReplicaError(f"{self.address}: {exc}") from None
+        self.left -= len(view)
 
-
-def _fetch(address: Address, secret: bytes, request: dict[str, Any], path: str,
-           ranges: Optional[list[tuple[int, int]]], timeout_s: float) -> int:
-    """Send a `get` and receive what it names into a new file at `path`; the file's size.
-    ReplicaError (and no file) when it could not, or not within `timeout_s` in all."""
-    deadline = time.monotonic() + timeout_s
-    try:
-        sock = _connect(address, secret, request, timeout_s)
-    except OSError as exc:
-        raise ReplicaError(f"cannot reach {address}: {exc}") from None
-    try:
-        reply = receive_message(sock)
-        if "error" in reply:
-            raise ReplicaError(f"{address}: {reply['error']}")
-        size = int(reply["size"])
-        receive_file(sock, path, size, ranges, deadline)
-        return size
-    except BaseException as exc:
-        if os.path.exists(path):
-            os.unlink(path)
-        if isinstance(exc, (OSError, ValueError, KeyError)):
-            raise ReplicaError(f"{address}: {exc}") from None
-        raise
-    finally:
-        sock.close()
+    def close(self) -> None:
+        self.sock.close()

@@ -5,7 +5,8 @@ step at a time, so each step is checksummed while it is still in the CPU cache. 
 reads an object store (msc://, s3://) with ranged GETs through the Storage (multi-storage-client's
 `read(path, byte_range=...)`), one GET per piece, copied into the targets: a rank reads only the
 items it needs, adjacent ones in one request, never a whole object it needs a part of.
-Both fill the buffers they are given completely or raise PartialLoadError naming the item.
+`PeerFiles` (peer_source.py) reads the memory tier's copies held on other nodes. All fill the
+buffers they are given completely or raise PartialLoadError naming the item.
 `SharedSource` answers from bytes held in memory where it holds them (resume at scale: items
 another rank read, replicated.py) and passes any other read on.
 """
@@ -13,10 +14,12 @@ another rank read, replicated.py) and passes any other read on.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import ctypes
 import os
 import threading
 from abc import ABC, abstractmethod
+from typing import ContextManager
 
 import numpy as np
 
@@ -35,6 +38,11 @@ class ByteSource(ABC):
 
     def open(self, paths: set[str]) -> None:
         """Called once before any read, with every file the load reads."""
+
+    def piece(self, path: str, offset: int, nbytes: int) -> ContextManager[None]:
+        """Around the reads of one piece (`nbytes` from `offset`, read in order): a source that
+        streams (peer_source.py) asks for them in one request."""
+        return contextlib.nullcontext()
 
     @abstractmethod
     def read(self, path: str, offset: int, n: int) -> bytes:

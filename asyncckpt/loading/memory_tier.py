@@ -30,7 +30,8 @@ from .load import load
 from .memory_plan import rebuild_metadata
 from .resume import ResumeReport
 from .opened import OpenCheckpoint, opened_with
-from .peer_copies import Peers, fill_from_peers
+from .peer_copies import PeerCopies, Peers, find_on_peers
+from .peer_source import PeerFiles
 from .safe_reader import SafeReader
 
 log = logging.getLogger("asyncckpt")
@@ -98,22 +99,22 @@ def restore(
     """Load the memory copy into `state_dict` when it is the one to resume from (every rank
     decides the same). `key`: what keys the tier's files, when not the root
     (save/memory_tier._tier_key); `history`: the root's, as the checkpointer found it; `peers`:
-    the other nodes, whose copies of what this node lacks are pulled first (loading/peer_copies.py)."""
+    the other nodes, which serve the copies this node lacks (loading/peer_copies.py)."""
     started = time.perf_counter()
-    found = fill_from_peers(memory_dir, key or root, group, peers, wait_s, _read_waiting, state_dict) if peers else None
+    found = find_on_peers(memory_dir, key or root, group, peers, wait_s, _read_waiting) if peers else None
     if found is None:
         copies, seen = _look(memory_dir, key or root, group, wait_s)
         return _decide_and_load(state_dict, root, memory_dir, group, trusted, history, copies, seen, started)
     try:  # the copies of the newest save whole across the nodes, as their headers say
         return _decide_and_load(state_dict, root, memory_dir, group, trusted, history, found.copies,
-                                [_seen(copy) for copy in found.copies], started, found.pulled, found.verified)
-    finally:
-        found.remove_partial(group)
+                                [_seen(copy) for copy in found.copies], started, found, peers)
+    finally:  # (every rank's reads are over: the load's last collective, or no load)
+        found.stop()
 
 
 def _decide_and_load(state_dict: dict[str, Any], root: str, memory_dir: str, group: Ranks, trusted: bool,
                      history: Optional[RootHistory], copies: list[MemoryCopy], seen: list[Seen], started: float,
-                     pulled: tuple = (), verified: frozenset[str] = frozenset()) -> MemoryAttempt:
+                     found: Optional[PeerCopies] = None, peers: Optional[Peers] = None) -> MemoryAttempt:
     decision = group.broadcast(decide(seen, root, history) if group.is_coordinator else None)
     if not decision.use:
         if decision.warn:
@@ -122,14 +123,45 @@ def _decide_and_load(state_dict: dict[str, Any], root: str, memory_dir: str, gro
             log.info("memory tier: not restoring from memory: %s; loading from disk", decision.why)
         return MemoryAttempt(drop=decision.drop, newest=decision.newest)
     step = seen[0].step
-    loaded = _load_copy(state_dict, copies, memory_dir, group, trusted, f"the copy of step {step}", verified)
+    what = f"the copy of step {step}"
+    if found is None:
+        loaded, pulled = _load_copy(state_dict, copies, memory_dir, group, trusted, what), ()
+    else:
+        loaded, pulled = _load_from_peers(state_dict, copies, memory_dir, group, trusted, what, found, peers)
     if loaded is not True:
         return MemoryAttempt(touched=any(group.all_gather(loaded == "touched")), newest=decision.newest)
     what = ("memory only" if seen[0].memory_only else "not committed") if decision.persist else "committed too"
     log.info("resumed from memory: step %d (save %s, %s%s) in %.2fs", step, seen[0].token[:8], what,
-             f", {len(pulled)} copies pulled from other nodes" if pulled else "", time.perf_counter() - started)
+             f", {sum(c.nbytes for c in pulled) / 2**20:.1f} MiB read from other nodes" if pulled else "",
+             time.perf_counter() - started)
     report = ResumeReport(step, copies[group.rank].path, source="peer" if pulled else "memory", pulled=pulled)
     return MemoryAttempt(MemoryRestore(report, decision.persist, seen[0].token), newest=decision.newest)
+
+
+def _load_from_peers(state_dict: dict[str, Any], copies: list[MemoryCopy], memory_dir: str, group: Ranks,
+                     trusted: bool, what: str, found: PeerCopies, peers: Peers) -> tuple[bool | str, tuple]:
+    """_load_copy, the copies this node lacks read from their holders (peer_source.py); a load
+    that failed on a holder's account is tried again without it while every copy has another."""
+    skip: frozenset[tuple[str, Any]] = frozenset()  # (file name, node)
+    touched = False
+    while True:
+        source = PeerFiles(found.remote, peers.secret, peers.timeout_s, skip)
+        loaded = _load_copy(state_dict, copies, memory_dir, group, trusted, what, source=source)
+        blamed = source.blamed(loaded.why) if isinstance(loaded, Failed) else set()
+        everyone = group.all_gather((source.pulled(group.rank), blamed))
+        pulled = tuple(copy for done, _ in everyone for copy in done)
+        if loaded is True:
+            return True, pulled
+        touched = touched or loaded.outcome == "touched"
+        blamed = {pair for _, theirs in everyone for pair in theirs} - skip
+        avoid = skip | blamed
+        left = all(group.all_gather(all(any((os.path.basename(path), h.node) not in avoid for h in copy.holders)
+                                        for path, copy in found.remote.items())))
+        if not blamed or not left:
+            return ("touched" if touched else loaded.outcome), pulled
+        skip = frozenset(avoid)
+        log.warning("memory tier: %s failed on %s; reading from other holders", what,
+                    ", ".join(sorted(f"node {node!r}'s {name}" for name, node in blamed)))
 
 
 def restore_saved(
@@ -173,20 +205,28 @@ def _seen(copy: MemoryCopy) -> Seen:
     return Seen(copy.step, copy.token, copy.memory_only, root_id=copy.root_id, base=base)
 
 
+@dataclass(frozen=True)
+class Failed:
+    """A memory copy's load that failed: why, and what is left of the state."""
+
+    why: str
+    outcome: bool | str  # False, or "touched": the failed load had changed the state already
+
+
 def _load_copy(state_dict: dict[str, Any], copies: list[MemoryCopy], memory_dir: str, group: Ranks, trusted: bool,
-               what: str, verified: frozenset[str] | set[str] = frozenset()) -> bool | str:
+               what: str, source: Optional[PeerFiles] = None) -> bool | str:
     """Load the copies into `state_dict`: True; else (with a WARNING: a checksum mismatch, say)
-    False, or "touched" when the failed load had changed the state already. `verified`: files
-    whose every item's CRC32C was checked just now (pulled from a peer), not checked again."""
+    False, or "touched" when the failed load had changed the state already; a `Failed` where a
+    `source` (copies on other nodes) was given."""
     try:
         metadata, checksums = rebuild_metadata(copies)
-        checksums = {place: crc for place, crc in checksums.items() if place[0] not in verified}
-        reader = MemoryReader(memory_dir, metadata, checksums, trusted)
+        reader = MemoryReader(memory_dir, metadata, checksums, trusted, source)
         load(state_dict, memory_dir, trusted=trusted, process_group=group.pg, no_dist=group.size == 1,
              storage_reader=reader)
     except (CheckpointError, ValueError, KeyError, TypeError) as exc:
-        log.warning("memory tier: %s did not load (%s); loading from disk", what, exc)
-        return "touched" if isinstance(exc, PartialLoadError) else False
+        log.warning("memory tier: %s did not load (%s)%s", what, exc, "" if source else "; loading from disk")
+        outcome = "touched" if isinstance(exc, PartialLoadError) else False
+        return Failed(str(exc), outcome) if source is not None else outcome
     return True
 
 
@@ -250,13 +290,15 @@ def decide(seen: list[Seen], root: str, history: Optional[RootHistory]) -> Decis
 
 class MemoryReader(SafeReader):
     """SafeReader over the memory tier's files: the Metadata rebuilt from the headers, the
-    headers' checksums; tensors are raw bytes in the slabs, read as local files are."""
+    headers' checksums; tensors are raw bytes in the slabs, read as local files are, or from
+    the holders of the copies this node lacks (`peers`: peer_source.PeerFiles)."""
 
     def __init__(self, memory_dir: str, metadata: Metadata, checksums: dict[tuple[str, int, int], int],
-                 trusted: bool) -> None:
+                 trusted: bool, peers: Optional[PeerFiles] = None) -> None:
         super().__init__(opened_with(memory_dir, metadata, trusted), trusted=trusted)
         self._rebuilt = metadata
         self._header_checksums = checksums
+        self._peers = peers
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         return self._rebuilt
@@ -267,3 +309,13 @@ class MemoryReader(SafeReader):
 
     def raw_file(self, relative_path: str) -> bool:
         return True
+
+    def _source(self):
+        return self._peers if self._peers is not None else super()._source()
+
+    def _file_size(self, relative_path: str, reqs: list) -> int:
+        """A copy on another node: as large as its items say (its holder checks each range it serves)."""
+        if self._peers is not None and self.opened.files[relative_path] in self._peers.remote:
+            return max(info.offset + info.length for info in self.metadata.storage_data.values()
+                       if info.relative_path == relative_path)
+        return super()._file_size(relative_path, reqs)

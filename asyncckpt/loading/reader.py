@@ -360,22 +360,23 @@ def _read_checked(
     step, offset = source.step_bytes, piece.offset
     chunks = [(seg, mem[i:i + step]) for seg, mem in parts for i in range(0, len(mem), step)]
     run: Optional[list] = None  # [segment that began it, crc, length]
-    while chunks:
-        window, size = [], 0
-        while chunks and (not window or size + len(chunks[0][1]) <= step):
-            window.append(chunks.pop(0))
-            size += len(window[-1][1])
-        source.read_into(piece.path, offset, [mem for _, mem in window], window[0][0].item.name)
-        offset += size
-        for seg, mem in window:
-            if run is not None and run[0].item is not seg.item:
-                _record_crc(run, checksum)
-                run = None
-            if run is None:
-                run = [seg, 0, 0]
-            if checksum is not None and seg.item.expected_crc is not None:
-                run[1] = checksum(mem, run[1])
-            run[2] += len(mem)
+    with source.piece(piece.path, offset, sum(len(mem) for _, mem in parts)):  # (a peer streams them)
+        while chunks:
+            window, size = [], 0
+            while chunks and (not window or size + len(chunks[0][1]) <= step):
+                window.append(chunks.pop(0))
+                size += len(window[-1][1])
+            source.read_into(piece.path, offset, [mem for _, mem in window], window[0][0].item.name)
+            offset += size
+            for seg, mem in window:
+                if run is not None and run[0].item is not seg.item:
+                    _record_crc(run, checksum)
+                    run = None
+                if run is None:
+                    run = [seg, 0, 0]
+                if checksum is not None and seg.item.expected_crc is not None:
+                    run[1] = checksum(mem, run[1])
+                run[2] += len(mem)
     if run is not None:
         _record_crc(run, checksum)
 

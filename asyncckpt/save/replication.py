@@ -2,7 +2,7 @@
 set up once when the checkpointer is built: the job's secret (rank 0 makes it, the process group
 hands it out), every rank's node and the address its worker receives copies on (one all_gather),
 and the ranks whose workers keep this rank's copies. The worker sends them (worker/replicas.py);
-a restart pulls what its node lacks (loading/peer_copies.py).
+a restart reads what its node lacks from them (loading/peer_copies.py).
 """
 
 from __future__ import annotations
