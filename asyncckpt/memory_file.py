@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import mmap
 import os
 import re
 import stat
 import struct
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 from .formats import crc32c
 
@@ -160,30 +159,3 @@ def owner_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
-
-
-def verify_copy(path: str) -> MemoryCopy:
-    """`read_copy`, and every item's CRC32C checked against the header: a copy received from
-    another node is kept only whole. NotACopy naming the first item that does not match."""
-    copy = read_copy(path)
-    check_items(path, copy.items)
-    return copy
-
-
-def check_items(path: str, items: Sequence[StoredItem]) -> None:
-    """Every one of `items` lies inside the file at `path` and matches its CRC32C; NotACopy
-    naming the first that does not."""
-    with open(path, "rb") as file:
-        size = os.fstat(file.fileno()).st_size
-        if any(item.at + item.length > size for item in items):
-            raise NotACopy("damaged (an item lies past the end)")
-        if size == 0:
-            return
-        with mmap.mmap(file.fileno(), size, prot=mmap.PROT_READ) as mapped:
-            view = memoryview(mapped)
-            try:
-                for item in items:
-                    if item.length and crc32c(view[item.at:item.at + item.length]) != item.crc32:
-                        raise NotACopy(f"damaged (the item at {item.at}: checksum mismatch)")
-            finally:
-                view.release()

@@ -15,9 +15,9 @@ import threading
 import time
 from typing import Any, Optional
 
-from .memory_file import NotACopy, read_copy
+from .memory_file import NotACopy, StoredItem, read_copy
 from .replica_wire import (
-    NONCE_BYTES, Expected, ReplicaError, Truncated, keep_if_valid, receive_exactly, receive_file, receive_message,
+    NONCE_BYTES, Expected, ItemChecks, ReplicaError, Truncated, keep_if_valid, receive_exactly, receive_file, receive_message,
     send_message, temporary, tune,
 )
 
@@ -109,9 +109,10 @@ class CopyServer:
     def _keep(self, conn: socket.socket, peer: Any, rank: int, request: dict[str, Any]) -> None:
         tmp = temporary(self.expected, rank)
         try:
-            receive_file(conn, tmp, int(request["length"]), deadline=time.monotonic() + self.timeout_s)
-            copy = keep_if_valid(tmp, self.expected, rank, str(request.get("token")))
-        except (OSError, ReplicaError, ValueError, KeyError) as exc:
+            checks = ItemChecks(tuple(StoredItem(int(at), int(n), int(crc)) for at, n, crc in request["items"]))
+            receive_file(conn, tmp, int(request["length"]), checks, deadline=time.monotonic() + self.timeout_s)
+            copy = keep_if_valid(tmp, self.expected, rank, str(request.get("token")), checks)
+        except (OSError, ReplicaError, ValueError, KeyError, TypeError) as exc:
             if os.path.exists(tmp):
                 os.unlink(tmp)
             if isinstance(exc, Truncated):  # a newer save cancelled it, or its sender died: the next one counts

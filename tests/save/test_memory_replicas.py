@@ -376,24 +376,39 @@ def test_a_copy_that_does_not_fit_is_refused_before_a_byte_is_received(tmp_path,
     import socket
     from types import SimpleNamespace
 
-    from asyncckpt.replica_wire import receive_file
+    from asyncckpt.replica_wire import ItemChecks, receive_file
 
     monkeypatch.setattr(os, "fstatvfs", lambda fd: SimpleNamespace(f_bavail=10, f_frsize=4096))
     ours, theirs = socket.socketpair()
     with ours, theirs, pytest.raises(OSError) as raised:
-        receive_file(ours, str(tmp_path / "copy"), 1 << 20)
+        receive_file(ours, str(tmp_path / "copy"), 1 << 20, ItemChecks(()))
     assert raised.value.errno == errno.ENOSPC
 
 
-def test_receiving_only_empty_ranges_makes_a_file_of_holes(tmp_path):
-    import socket
+def test_a_received_copys_items_are_checked_as_they_arrive_in_any_pieces():
+    """The receiver checks each item's CRC32C from the pieces as they land (not by reading the
+    copy again): pieces that cut items anywhere, an empty item, a gap between items."""
+    from asyncckpt.formats import crc32c
+    from asyncckpt.memory_file import StoredItem
+    from asyncckpt.replica_wire import ItemChecks
 
-    from asyncckpt.replica_wire import receive_file
-
-    ours, theirs = socket.socketpair()
-    with ours, theirs:
-        receive_file(ours, str(tmp_path / "copy"), 4096, ranges=[(0, 0), (100, 0)])
-    assert os.path.getsize(tmp_path / "copy") == 4096
+    data = bytearray(os.urandom(10_000))
+    places = [(3500, 6000), (0, 3000), (3000, 0)]
+    items = [StoredItem(at, n, crc32c(bytes(data[at:at + n]))) for at, n in places]
+    for damage in (None, 4000, 2999):
+        if damage is not None:
+            data[damage] ^= 0xFF
+        checks = ItemChecks(items)
+        for at in range(0, len(data), 777):
+            checks.feed(at, memoryview(data)[at:at + 777])
+        found = checks.damaged()
+        assert (found.at if found else None) == {None: None, 4000: 3500, 2999: 0}[damage]
+        if damage == 4000:
+            data[damage] ^= 0xFF  # only the item at 0 damaged next
+    checks = ItemChecks(items[1:])
+    for at in range(0, len(data), 4096):
+        checks.feed(at, memoryview(data)[at:at + 4096])
+    assert checks.damaged().at == 0
 
 
 def test_a_damaged_copy_is_not_kept(sealed_copy, tmp_path, caplog):
