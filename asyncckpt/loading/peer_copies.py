@@ -127,8 +127,9 @@ def _designated(seen: list, rank: int, wanted: SaveKey) -> int:
 
 def _holders(seen: list, peers: Peers, rank: int, wanted: SaveKey, me: int) -> tuple[Holder, ...]:
     """The ranks of other nodes that hold `rank`'s copy of `wanted` and serve it, in the order `me`
-    tries them (rotated, so that the ranks reading one copy spread over its holders)."""
+    tries them: rotated by `me`, so that the ranks of a node spread their reads over the holders
+    (a node's ranks each serve all its copies)."""
     holders = [Holder(q, peers.nodes[q], Address(*address)) for q, (held, address) in enumerate(seen)
                if held.get(rank) == wanted and address is not None and peers.nodes[q] != peers.nodes[me]]
-    turn = (rank + me) % len(holders) if holders else 0
+    turn = me % len(holders) if holders else 0
     return tuple(holders[turn:] + holders[:turn])
