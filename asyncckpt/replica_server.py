@@ -1,5 +1,5 @@
 """The memory tier's copy server (CheckpointConfig(memory_replicas=R)): a worker keeps the copies
-its peers push; a restart hands out the copies its node holds (whole, or some items' bytes).
+its peers push; a restart hands out byte ranges of the copies its node holds.
 replica_wire.py has the wire both ends speak.
 """
 
@@ -103,7 +103,7 @@ class CopyServer:
                     self._keep(conn, peer, rank, request)
                 else:
                     self._hand_out(conn, rank, str(request.get("token")), request.get("ranges"))
-            except (OSError, ReplicaError, ValueError) as exc:
+            except (OSError, ReplicaError, ValueError, TypeError, OverflowError) as exc:
                 log.debug("memory tier: a connection from %s ended: %s", peer, exc)
 
     def _keep(self, conn: socket.socket, peer: Any, rank: int, request: dict[str, Any]) -> None:
@@ -112,7 +112,7 @@ class CopyServer:
             checks = ItemChecks(tuple(StoredItem(int(at), int(n), int(crc)) for at, n, crc in request["items"]))
             receive_file(conn, tmp, int(request["length"]), checks, deadline=time.monotonic() + self.timeout_s)
             copy = keep_if_valid(tmp, self.expected, rank, str(request.get("token")), checks)
-        except (OSError, ReplicaError, ValueError, KeyError, TypeError) as exc:
+        except (OSError, ReplicaError, ValueError, KeyError, TypeError, OverflowError) as exc:
             if os.path.exists(tmp):
                 os.unlink(tmp)
             if isinstance(exc, Truncated):  # a newer save cancelled it, or its sender died: the next one counts
@@ -127,8 +127,8 @@ class CopyServer:
         log.debug("memory tier: kept rank %d's copy of step %d from %s", rank, copy.step, peer)
         send_message(conn, {"ok": True})
 
-    def _hand_out(self, conn: socket.socket, rank: int, token: str, ranges: Any = None) -> None:
-        """Send rank `rank`'s copy of save `token`: whole, or only `ranges` ([offset, length], in order)."""
+    def _hand_out(self, conn: socket.socket, rank: int, token: str, ranges: Any) -> None:
+        """Send `ranges` ([offset, length], in order) of rank `rank`'s copy of save `token`."""
         path = self.expected.path_of(rank)
         try:
             copy = read_copy(path)
@@ -141,13 +141,13 @@ class CopyServer:
         with file:
             size = os.fstat(file.fileno()).st_size
             try:
-                pieces = [(0, size)] if ranges is None else [(int(at), int(n)) for at, n in ranges]
-            except (TypeError, ValueError):
+                pieces = [(int(at), int(n)) for at, n in ranges]
+            except (TypeError, ValueError, OverflowError):
                 pieces = [(-1, 0)]
             if any(at < 0 or n < 0 or at + n > size for at, n in pieces):
                 send_message(conn, {"error": "a range outside the copy"})
                 return
-            send_message(conn, {"length": sum(n for _, n in pieces), "size": size})
+            send_message(conn, {"length": sum(n for _, n in pieces)})
             for at, n in pieces:
                 if n:
                     conn.sendfile(file, at, n)

@@ -9,9 +9,10 @@ The server is replica_server.py.
 
     server -> client   nonce (32 bytes)
     client -> server   HMAC(secret, nonce) (32 bytes), request (4-byte length, JSON)
-    put                client -> server: the copy's bytes; server -> client: reply
-    get                server -> client: reply {"length": n, "size": the file's} (or {"error": ...}),
-                       then n bytes: the whole copy, or the request's "ranges" ([offset, length]) in order
+    put                request: the copy's "length" and "items" ([offset, length, CRC32C] as its header
+                       records them); client -> server: the copy's bytes; server -> client: reply
+    get                request: "ranges" ([offset, length]); server -> client: reply {"length": n}
+                       (or {"error": ...}), then the n bytes of the ranges, in order
     (a reply is a 4-byte length and JSON: {"ok": true} or {"error": "why"})
 """
 
@@ -173,11 +174,11 @@ class ItemChecks:
         end, order = at + len(view), self._order
         while self._first < len(order) and self._end(order[self._first]) <= at:
             self._first += 1
-        for n in order[self._first:]:
-            item = self.items[n]
-            if item.at >= end:
+        for k in range(self._first, len(order)):
+            n = order[k]
+            if self.items[n].at >= end:
                 break
-            lo, hi = max(item.at, at), min(self._end(n), end)
+            lo, hi = max(self.items[n].at, at), min(self._end(n), end)
             if lo < hi:
                 self._crcs[n] = crc32c(view[lo - at:hi - at], self._crcs[n])
 
@@ -207,7 +208,7 @@ def receive_into(sock: socket.socket, view: memoryview, deadline: Optional[float
                 raise Truncated(late(filled)) from None
             raise
         if received == 0:
-            raise Truncated(f"the sender stopped after {filled} of {want} bytes")
+            raise Truncated(f"the sender stopped with {want - filled} bytes of a piece of {want} to come")
         filled += received
 
 
@@ -222,7 +223,7 @@ def _check_room(fd: int, path: str, nbytes: int) -> None:
         raise OSError(errno.ENOSPC, f"{nbytes} bytes do not fit ({stats.f_bavail * stats.f_frsize} free)", path)
 
 
-def keep_if_valid(tmp: str, expected: Expected, rank: int, token: Optional[str], checks: ItemChecks) -> MemoryCopy:
+def keep_if_valid(tmp: str, expected: Expected, rank: int, token: str, checks: ItemChecks) -> MemoryCopy:
     """The copy received at `tmp` (its items checked as they arrived: `checks`), renamed to its
     rank's name once its header is whole and records those very items; removed if not."""
     try:
@@ -230,7 +231,7 @@ def keep_if_valid(tmp: str, expected: Expected, rank: int, token: Optional[str],
         if copy.root != expected.root or copy.rank != rank or copy.world_size != expected.world_size:
             raise ReplicaError(f"it holds rank {copy.rank} of {copy.world_size} of {copy.root!r}, not rank {rank} of "
                                f"{expected.world_size} of {expected.root!r}")
-        if token is not None and copy.token != token:
+        if copy.token != token:
             raise ReplicaError(f"it holds save {copy.token[:8]}, not {token[:8]}")
         if copy.items != checks.items:
             raise ReplicaError("its header records other items than its sender announced")
@@ -272,9 +273,13 @@ class Push:
 
     def run(self) -> int:
         """Bytes sent; ReplicaError when the peer refused or the push was cancelled."""
+        if self._cancelled.is_set():
+            raise Cancelled("cancelled: a newer save is staging")
         try:
             items = read_copy(self.path).items  # announced: the receiver checks each as it arrives
         except NotACopy as exc:
+            if self._cancelled.is_set():  # (the newer save began staging into the file)
+                raise Cancelled("cancelled: a newer save is staging") from None
             raise ReplicaError(f"{self.path}: {exc}") from None
         with open(self.path, "rb") as file:
             length = os.fstat(file.fileno()).st_size
@@ -326,7 +331,7 @@ class Ranges:
                 raise ReplicaError(f"{address} offers {reply['length']} bytes, not the {self.left} asked for")
         except BaseException as exc:
             self.sock.close()
-            if isinstance(exc, (OSError, ValueError, KeyError)):
+            if isinstance(exc, (OSError, ValueError, KeyError, TypeError, OverflowError)):
                 raise ReplicaError(f"{address}: {exc}") from None
             raise
         self._per_receive_s = self.sock.gettimeout()

@@ -128,8 +128,8 @@ def _decide_and_load(state_dict: dict[str, Any], root: str, memory_dir: str, gro
         loaded, pulled = _load_copy(state_dict, copies, memory_dir, group, trusted, what), ()
     else:
         loaded, pulled = _load_from_peers(state_dict, copies, memory_dir, group, trusted, what, found, peers)
-    if loaded is not True:
-        return MemoryAttempt(touched=any(group.all_gather(loaded == "touched")), newest=decision.newest)
+    if loaded is not True:  # (the same on every rank)
+        return MemoryAttempt(touched=loaded == "touched", newest=decision.newest)
     what = ("memory only" if seen[0].memory_only else "not committed") if decision.persist else "committed too"
     log.info("resumed from memory: step %d (save %s, %s%s) in %.2fs", step, seen[0].token[:8], what,
              f", {sum(c.nbytes for c in pulled) / 2**20:.1f} MiB read from other nodes" if pulled else "",
@@ -147,18 +147,17 @@ def _load_from_peers(state_dict: dict[str, Any], copies: list[MemoryCopy], memor
     while True:
         source = PeerFiles(found.remote, peers.secret, peers.timeout_s, skip)
         loaded = _load_copy(state_dict, copies, memory_dir, group, trusted, what, source=source)
-        blamed = source.blamed(loaded.why) if isinstance(loaded, Failed) else set()
-        everyone = group.all_gather((source.pulled(group.rank), blamed))
+        everyone = group.all_gather((source.pulled(group.rank), source.failed))
         pulled = tuple(copy for done, _ in everyone for copy in done)
         if loaded is True:
             return True, pulled
-        touched = touched or loaded.outcome == "touched"
+        touched = touched or loaded == "touched"
         blamed = {pair for _, theirs in everyone for pair in theirs} - skip
         avoid = skip | blamed
         left = all(group.all_gather(all(any((os.path.basename(path), h.node) not in avoid for h in copy.holders)
                                         for path, copy in found.remote.items())))
         if not blamed or not left:
-            return ("touched" if touched else loaded.outcome), pulled
+            return ("touched" if touched else False), pulled
         skip = frozenset(avoid)
         log.warning("memory tier: %s failed on %s; reading from other holders", what,
                     ", ".join(sorted(f"node {node!r}'s {name}" for name, node in blamed)))
@@ -205,29 +204,34 @@ def _seen(copy: MemoryCopy) -> Seen:
     return Seen(copy.step, copy.token, copy.memory_only, root_id=copy.root_id, base=base)
 
 
-@dataclass(frozen=True)
-class Failed:
-    """A memory copy's load that failed: why, and what is left of the state."""
-
-    why: str
-    outcome: bool | str  # False, or "touched": the failed load had changed the state already
-
-
 def _load_copy(state_dict: dict[str, Any], copies: list[MemoryCopy], memory_dir: str, group: Ranks, trusted: bool,
                what: str, source: Optional[PeerFiles] = None) -> bool | str:
-    """Load the copies into `state_dict`: True; else (with a WARNING: a checksum mismatch, say)
-    False, or "touched" when the failed load had changed the state already; a `Failed` where a
-    `source` (copies on other nodes) was given."""
+    """Load the copies into `state_dict` (the copies this node lacks from `source`, their holders):
+    True; else, the same answer on every rank (with a WARNING where it failed: a checksum mismatch,
+    say), False, or "touched" when the state was changed already on some rank (then the disk must
+    overwrite every entry). A rank that cannot even begin stops every rank before the load's
+    collectives."""
     try:
         metadata, checksums = rebuild_metadata(copies)
-        reader = MemoryReader(memory_dir, metadata, checksums, trusted, source)
+        reader: Optional[MemoryReader] = MemoryReader(memory_dir, metadata, checksums, trusted, source)
+        problem = None
+    except (CheckpointError, ValueError, KeyError, TypeError) as exc:
+        reader, problem = None, exc
+    if any(group.all_gather(problem is not None)):
+        if problem is not None:
+            log.warning("memory tier: %s did not load (%s); loading from disk", what, problem)
+        return False
+    try:
         load(state_dict, memory_dir, trusted=trusted, process_group=group.pg, no_dist=group.size == 1,
              storage_reader=reader)
+        outcome: bool | str = True
     except (CheckpointError, ValueError, KeyError, TypeError) as exc:
-        log.warning("memory tier: %s did not load (%s)%s", what, exc, "" if source else "; loading from disk")
+        log.warning("memory tier: %s did not load (%s)", what, exc)
         outcome = "touched" if isinstance(exc, PartialLoadError) else False
-        return Failed(str(exc), outcome) if source is not None else outcome
-    return True
+    outcomes = group.all_gather(outcome)  # (a rank may fail alone after the load's collectives)
+    if all(o is True for o in outcomes):
+        return True
+    return "touched" if any(o is True or o == "touched" for o in outcomes) else False
 
 
 def read_copies(memory_dir: str, root: str, world_size: int, deadline: float) -> list[MemoryCopy]:
@@ -312,6 +316,16 @@ class MemoryReader(SafeReader):
 
     def _source(self):
         return self._peers if self._peers is not None else super()._source()
+
+    def read_data(self, plan: Any, planner: Any) -> Any:
+        """SafeReader's; a failure of this rank's reads is told to the holders' source first (it
+        names a damaged item's file), before DCP merges every rank's failures into one message."""
+        try:
+            return super().read_data(plan, planner)
+        except CheckpointError as exc:
+            if self._peers is not None:
+                self._peers.blame(str(exc))
+            raise
 
     def _file_size(self, relative_path: str, reqs: list) -> int:
         """A copy on another node: as large as its items say (its holder checks each range it serves)."""

@@ -12,6 +12,7 @@ this rank's state needs, checked as they land, nothing written here.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import os
 import time
@@ -127,9 +128,12 @@ def _designated(seen: list, rank: int, wanted: SaveKey) -> int:
 
 def _holders(seen: list, peers: Peers, rank: int, wanted: SaveKey, me: int) -> tuple[Holder, ...]:
     """The ranks of other nodes that hold `rank`'s copy of `wanted` and serve it, in the order `me`
-    tries them: rotated by `me`, so that the ranks of a node spread their reads over the holders
-    (a node's ranks each serve all its copies)."""
-    holders = [Holder(q, peers.nodes[q], Address(*address)) for q, (held, address) in enumerate(seen)
-               if held.get(rank) == wanted and address is not None and peers.nodes[q] != peers.nodes[me]]
+    tries them: the nodes taken in turn (one rank of each, then the next of each), rotated by
+    `me`, so that the ranks of a node spread their reads over the holding nodes and their ranks."""
+    by_node: dict[Hashable, list[Holder]] = {}
+    for q, (held, address) in enumerate(seen):
+        if held.get(rank) == wanted and address is not None and peers.nodes[q] != peers.nodes[me]:
+            by_node.setdefault(peers.nodes[q], []).append(Holder(q, peers.nodes[q], Address(*address)))
+    holders = [h for turn in itertools.zip_longest(*by_node.values()) for h in turn if h is not None]
     turn = me % len(holders) if holders else 0
     return tuple(holders[turn:] + holders[:turn])

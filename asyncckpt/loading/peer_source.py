@@ -5,8 +5,8 @@ one request (replica_wire.Ranges), each step checksummed as it lands. Nothing is
 nothing is read twice. The copies this node holds are read as local files.
 
 Each copy is read from one holder per load, so a load that fails names the holder to skip next
-(`blamed`, by node: its node's file of that copy): a holder that could not be reached, stopped
-sending, or sent an item whose checksum did not match (the reader names the file in its error).
+(`failed`, by node: its node's file of that copy): a holder that could not be reached, stopped
+sending, or sent an item whose checksum did not match (this rank's reader named the file).
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ class PeerFiles(ByteSource):
         self._local = threading.local()
         self._lock = threading.Lock()
         self.received: dict[str, int] = {}  # path -> bytes read from its holder
-        self.failed: set[tuple[str, Hashable]] = set()  # (file name, node): its holder could not serve it
+        self.failed: set[tuple[str, Hashable]] = set()  # (file name, node): not to be read again
 
     def open(self, paths: set[str]) -> None:
         self.base.open({path for path in paths if path not in self.remote})
@@ -141,12 +141,12 @@ class PeerFiles(ByteSource):
             self.failed.add((os.path.basename(path), holder.node))
         return PartialLoadError(f"{what}: reading it from rank {holder.rank} (node {holder.node!r}) failed: {exc}")
 
-    def blamed(self, error: str) -> set[tuple[str, Hashable]]:
-        """The (file name, node) a failed load (`error`: its message) is put down to: the holders
-        that could not serve, and those of the files the message names (a damaged item)."""
-        named = {(os.path.basename(path), holder.node) for path, holder in self.holder.items()
-                 if holder is not None and path in error}
-        return self.failed | named
+    def blame(self, error: str) -> None:
+        """This rank's load failed (`error`: its own message): the holders of the files it names
+        (a damaged item) are not read again."""
+        with self._lock:
+            self.failed |= {(os.path.basename(path), holder.node) for path, holder in self.holder.items()
+                            if holder is not None and path in error}
 
     def pulled(self, me: int) -> list[PulledCopy]:
         return [PulledCopy(self.remote[path].rank, me, self.holder[path].node, n) for path, n in self.received.items()]

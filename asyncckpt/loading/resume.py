@@ -48,8 +48,9 @@ class SkippedCheckpoint:
 class ResumeReport:
     """What `load_latest` resumed from, and the newer checkpoints it skipped as damaged (newest
     first). `source`: "disk" (a committed checkpoint, `path`), "memory" (the memory tier's copy;
-    `path` is this rank's memory file) or "peer" (the memory tier's copy, some of it read from
-    other nodes: `pulled`, every rank's reads, loading/peer_source.PulledCopy). `persisted` (from memory only):
+    `path` is this rank's memory file) or "peer" (the memory tier's copy, some of it read from other
+    nodes: `pulled`, every rank's reads, loading/peer_source.PulledCopy; `path` is the file's name
+    here, absent where this rank's own copy was read from another node). `persisted` (from memory only):
     None when the copy was committed already, False while it is newer than the disk, True once a
     save committed it (`persisted_at`: that commit's time, time.time())."""
 

@@ -5,9 +5,11 @@ Its bytes are in the tier's file, checked (CRC32C) by the restore, and nothing c
 the new worker seals a save of its own: that goes into a fresh file (a new inode) renamed over
 this one, so a mapping of the old file keeps its pages. The persist's snapshot is therefore views
 of that file, mapped: `load_latest` moves nothing into shared memory and copies nothing, and the
-training steps after it may change the state at once. The hand-off thread packs the views into one
-shared segment for the worker (first_save.HandOff), off the trainer's path. The trainer's own
-tensors reach the worker at the job's first save (or `prepare`), as in any new job.
+training steps after it may change the state at once. The hand-off thread packs the views into
+one shared segment for the worker (first_save.HandOff), off the trainer's path. The trainer's own
+tensors reach the worker at the job's first save (or `prepare`), as in any new job. A rank whose
+copy a restart read from another node (memory_replicas) has no such file here: its persist
+snapshots the state just loaded, as any save does.
 """
 
 from __future__ import annotations

@@ -139,7 +139,8 @@ class MemoryTier:
     def persist_restored(self, schedule: Callable[[], None]) -> None:
         """Schedule (`schedule`) the save that persists the copy just restored, handed to the worker
         by a thread (first_save.py) from views of this rank's file (mapped_copy.py): the restart
-        waits for no worker start-up nor staging, and copies nothing. The file keeps the copy
+        waits for no worker start-up nor staging, and copies nothing. (A rank whose copy was read
+        from another node has no such file: its persist snapshots the state just loaded.) The file keeps the copy
         meanwhile (a new worker stages into a new file, renamed over this one once sealed), and
         `unpersisted` keeps it at a clean close until the commit."""
         self.persisting = True
@@ -174,7 +175,7 @@ class MemoryTier:
 
     def _remove(self) -> None:
         """This rank's file, and with memory_replicas the copies of other nodes' ranks this node
-        keeps (received, or pulled by a restart)."""
+        keeps (received from their workers)."""
         paths = [self.path]
         if self.replicas is not None:
             nodes = self.replicas.peers.nodes
