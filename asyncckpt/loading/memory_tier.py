@@ -146,13 +146,14 @@ def _load_from_peers(state_dict: dict[str, Any], copies: list[MemoryCopy], memor
     touched = False
     while True:
         source = PeerFiles(found.remote, peers.secret, peers.timeout_s, skip)
-        loaded = _load_copy(state_dict, copies, memory_dir, group, trusted, what, source=source)
-        everyone = group.all_gather((source.pulled(group.rank), source.failed))
-        pulled = tuple(copy for done, _ in everyone for copy in done)
+        mine = _load_here(state_dict, copies, memory_dir, group, trusted, what, source)
+        everyone = group.all_gather((mine, source.pulled(group.rank), source.failed))
+        loaded = _agreed([outcome for outcome, _, _ in everyone])
+        pulled = tuple(copy for _, done, _ in everyone for copy in done)
         if loaded is True:
             return True, pulled
         touched = touched or loaded == "touched"
-        blamed = {pair for _, theirs in everyone for pair in theirs} - skip
+        blamed = {pair for _, _, theirs in everyone for pair in theirs} - skip
         avoid = skip | blamed
         left = all(group.all_gather(all(any((os.path.basename(path), h.node) not in avoid for h in copy.holders)
                                         for path, copy in found.remote.items())))
@@ -205,12 +206,18 @@ def _seen(copy: MemoryCopy) -> Seen:
 
 
 def _load_copy(state_dict: dict[str, Any], copies: list[MemoryCopy], memory_dir: str, group: Ranks, trusted: bool,
+               what: str) -> bool | str:
+    """Load the copies into `state_dict`: True; else, the same answer on every rank (with a WARNING
+    where it failed: a checksum mismatch, say), False, or "touched" when the state was changed
+    already on some rank (then the disk must overwrite every entry)."""
+    return _agreed(group.all_gather(_load_here(state_dict, copies, memory_dir, group, trusted, what)))
+
+
+def _load_here(state_dict: dict[str, Any], copies: list[MemoryCopy], memory_dir: str, group: Ranks, trusted: bool,
                what: str, source: Optional[PeerFiles] = None) -> bool | str:
-    """Load the copies into `state_dict` (the copies this node lacks from `source`, their holders):
-    True; else, the same answer on every rank (with a WARNING where it failed: a checksum mismatch,
-    say), False, or "touched" when the state was changed already on some rank (then the disk must
-    overwrite every entry). A rank that cannot even begin stops every rank before the load's
-    collectives."""
+    """_load_copy's load, the copies this node lacks read from `source` (their holders): this
+    rank's outcome, which may differ from another's (a rank can fail alone after the load's
+    collectives). A rank that cannot even begin stops every rank before those collectives."""
     try:
         metadata, checksums = rebuild_metadata(copies)
         reader: Optional[MemoryReader] = MemoryReader(memory_dir, metadata, checksums, trusted, source)
@@ -224,11 +231,14 @@ def _load_copy(state_dict: dict[str, Any], copies: list[MemoryCopy], memory_dir:
     try:
         load(state_dict, memory_dir, trusted=trusted, process_group=group.pg, no_dist=group.size == 1,
              storage_reader=reader)
-        outcome: bool | str = True
     except (CheckpointError, ValueError, KeyError, TypeError) as exc:
         log.warning("memory tier: %s did not load (%s)", what, exc)
-        outcome = "touched" if isinstance(exc, PartialLoadError) else False
-    outcomes = group.all_gather(outcome)  # (a rank may fail alone after the load's collectives)
+        return "touched" if isinstance(exc, PartialLoadError) else False
+    return True
+
+
+def _agreed(outcomes: list[bool | str]) -> bool | str:
+    """Every rank's outcome as one: True where all loaded; "touched" where any state changed."""
     if all(o is True for o in outcomes):
         return True
     return "touched" if any(o is True or o == "touched" for o in outcomes) else False

@@ -289,6 +289,22 @@ TRAINER = textwrap.dedent(
 )
 
 
+class Picky:
+    """An entry whose load_state_dict refuses what it is given (where `refuse`)."""
+
+    def __init__(self, refuse: bool) -> None:
+        self.refuse = refuse
+        self.value = {"step": 0, "name": "", "milestones": []}
+
+    def state_dict(self) -> dict:
+        return dict(self.value)
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.refuse:
+            raise ValueError("refused")
+        self.value = state
+
+
 def _two_ranks(rank: int, world: int, root: str, shm: str) -> None:
     state = state_at(0)
     with AsyncCheckpointer(root, config(shm, memory_keep=True)) as ckpt:
@@ -296,6 +312,19 @@ def _two_ranks(rank: int, world: int, root: str, shm: str) -> None:
             state.update(state_at(step))
             ckpt.schedule_save(state, step=step, memory_only=step == 2)
             ckpt.finalize(blocking=True)
+    # a load that fails on one rank only, after the load's collectives (an entry's load_state_dict
+    # refuses): every rank leaves the copy alike, at once (the disk overwrites every entry)
+    target = {**zeros_like_state(state_at(0)), "meta": Picky(refuse=rank == 1)}
+    started = time.monotonic()
+    with AsyncCheckpointer(root, config(shm, memory_keep=True)) as ckpt:
+        if rank == 1:
+            with pytest.raises(CheckpointError, match="refused"):
+                ckpt.load_latest(target)
+        else:
+            assert ckpt.load_latest(target) == 1 and ckpt.resume_report.source == "disk", ckpt.resume_report
+            assert_state_equal(target["w"], state_at(1)["w"])
+    assert time.monotonic() - started < 30  # (not the group's 60 s timeout)
+    dist.barrier()
     target = zeros_like_state(state_at(0))
     with AsyncCheckpointer(root, config(shm, memory_keep=True)) as ckpt:
         assert ckpt.load_latest(target) == 2 and ckpt.resume_report.source == "memory"  # both files here
