@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from asyncckpt import AsyncCheckpointer, CheckpointConfig
+from asyncckpt import AsyncCheckpointer, CheckpointConfig, load
 from asyncckpt.layout import list_checkpoints
 from asyncckpt.memory_file import NotACopy, memory_file_name, read_copy, root_key
 from asyncckpt.replica_server import CopyServer
@@ -102,17 +102,10 @@ def _four_ranks_two_nodes(rank: int, world: int, root: str, shm: str) -> None:
     assert not [n for n in os.listdir(os.path.join(shm, "node1")) if n.startswith(".")]  # nothing written there
     assert [c.step for c in list_checkpoints(root)] == [1]  # nothing read from nor written to the disk meanwhile
 
-    # again, persisting what it restores (the default): node 1's ranks hold no file of their copies,
-    # so their part of the persist is taken from the state just loaded; step 3 is committed whole
-    target = zeros_of(rank_state(rank, 0))
-    with AsyncCheckpointer(root, node_config(shm, rank, 1)) as ckpt:
-        assert ckpt.load_latest(target) == 3 and ckpt.resume_report.source == "peer", ckpt.resume_report
-    assert [c.step for c in list_checkpoints(root)] == [1, 3]
-
-    _lose_nodes(rank, shm, [0, 1])  # both nodes: no copy is left anywhere; the disk has step 3
+    _lose_nodes(rank, shm, [0, 1])  # both nodes: no copy is left anywhere
     step, report, target = _restart(rank, root, shm, 1)
-    assert (step, report.source) == (3, "disk"), report
-    assert_state_equal(target, rank_state(rank, 3))
+    assert (step, report.source) == (1, "disk"), report
+    assert_state_equal(target, rank_state(rank, 1))
 
 
 def two_nodes(tmp_path) -> str:
@@ -135,7 +128,8 @@ def _damaged_holder(rank: int, world: int, root: str, shm: str) -> None:
     """R=2 over 3 nodes: rank 2's copy is on nodes 0 and 2 too. Node 1 is lost, and node 0's copy
     of rank 2 (the one rank 2 reads first: holders 0, 3, 1, nodes in turn, rotated by 2) damaged,
     one byte of a tensor (its header still reads): rank 2's restart finds the mismatch, leaves
-    node 0's copy and reads node 2's."""
+    node 0's copy and reads node 2's. The restart persists what it restored (the default): rank 2
+    holds no file of its copy, so its part is taken from the state just loaded; step 2 commits."""
     node_of3 = THREE_NODES.__getitem__
     config = dict(memory_dir=os.path.join(shm, f"node{node_of3(rank)}"), node_of=node_of3)
     with AsyncCheckpointer(root, node_config(shm, rank, 2, **config)) as ckpt:
@@ -159,10 +153,15 @@ def _damaged_holder(rank: int, world: int, root: str, shm: str) -> None:
     handler.emit = seen.append
     logging.getLogger("asyncckpt").addHandler(handler)
     target = zeros_of(rank_state(rank, 0))
-    with AsyncCheckpointer(root, node_config(shm, rank, 2, memory_persist_restored=False, **config)) as ckpt:
+    with AsyncCheckpointer(root, node_config(shm, rank, 2, **config)) as ckpt:
         step = ckpt.load_latest(target)
         report = ckpt.resume_report
     assert (step, report.source) == (2, "peer"), report
+    assert [c.step for c in list_checkpoints(root)] == [1, 2]  # persisted at close
+    if rank == 0:
+        disk = zeros_of(rank_state(2, 0))  # rank 2's part, from the disk: the state it had restored
+        load(disk, next(c.path for c in list_checkpoints(root) if c.step == 2), no_dist=True)
+        assert_state_equal(disk, rank_state(2, 2))
     assert_state_equal(target, rank_state(rank, 2))
     served = {c.node for c in report.pulled if c.rank == 2 and c.into == 2}
     assert served == {2}, report.pulled  # rank 2's own copy, from node 2's file
