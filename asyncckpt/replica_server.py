@@ -17,8 +17,8 @@ from typing import Any, Optional
 
 from .memory_file import NotACopy, StoredItem, read_copy
 from .replica_wire import (
-    NONCE_BYTES, Expected, ItemChecks, ReplicaError, Truncated, keep_if_valid, receive_exactly, receive_file, receive_message,
-    send_message, temporary, tune,
+    NONCE_BYTES, Expected, ItemChecks, ReplicaError, Truncated, keep_if_valid, receive_exactly, receive_file,
+    receive_message, send_message, temporary, tune,
 )
 
 log = logging.getLogger("asyncckpt")

@@ -1,8 +1,8 @@
 """The memory tier between nodes (CheckpointConfig(memory_replicas=R)): a worker pushes each copy
 it sealed to the workers of ranks on other nodes, and a restart reads what it needs of a copy its
-node lacks from a rank of a node that holds one, straight into its targets. Plain TCP; every connection is authenticated (HMAC-SHA256 of a fresh
-nonce under the job's secret, which rank 0 makes and the process group hands out), the bytes go
-with sendfile (no pickle), and a receiver keeps a pushed copy only once its header and every
+node lacks from a rank of a node that holds one, straight into its targets. Plain TCP; every
+connection is authenticated (HMAC-SHA256 of a fresh nonce under the job's secret, which rank 0
+makes and the process group hands out), the bytes go with sendfile (no pickle), and a receiver keeps a pushed copy only once its header and every
 item's CRC32C check out, renamed into place: a half-received or damaged copy never bears a copy's
 name (a restart's reader checks every item it reads the same way).
 The server is replica_server.py.
@@ -343,9 +343,7 @@ class Ranges:
         try:
             receive_into(self.sock, view, self.deadline, self._per_receive_s,
                          lambda got: f"{got} of {len(view)} bytes received when the read's time ran out")
-        except OSError as exc:
-            raise ReplicaError(f"{self.address}: {exc}") from None
-        except ReplicaError as exc:
+        except (OSError, ReplicaError) as exc:
             raise ReplicaError(f"{self.address}: {exc}") from None
         self.left -= len(view)
 

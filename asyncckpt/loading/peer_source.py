@@ -50,16 +50,19 @@ class PulledCopy:
     nbytes: int
 
 
+@dataclass
 class _Stream:
     """The request of the piece a thread is reading, and where it is in it."""
 
-    def __init__(self, path: str, at: int, ranges: Ranges) -> None:
-        self.path, self.at, self.ranges = path, at, ranges
+    path: str
+    at: int
+    ranges: Ranges
 
 
 class PeerFiles(ByteSource):
     """Local files as LocalFiles reads them; the paths in `remote` from their holders (see the
-    module's docstring). `skip`: (file name, node) pairs a failed load blamed (that node's file is not read again)."""
+    module's docstring). `skip`: (file name, node) pairs a failed load blamed (that node's file
+    is not read again)."""
 
     def __init__(self, remote: dict[str, RemoteCopy], secret: bytes, timeout_s: float,
                  skip: frozenset[tuple[str, Hashable]] = frozenset()) -> None:

@@ -139,10 +139,10 @@ class MemoryTier:
     def persist_restored(self, schedule: Callable[[], None]) -> None:
         """Schedule (`schedule`) the save that persists the copy just restored, handed to the worker
         by a thread (first_save.py) from views of this rank's file (mapped_copy.py): the restart
-        waits for no worker start-up nor staging, and copies nothing. (A rank whose copy was read
-        from another node has no such file: its persist snapshots the state just loaded.) The file keeps the copy
+        waits for no worker start-up nor staging, and copies nothing. The file keeps the copy
         meanwhile (a new worker stages into a new file, renamed over this one once sealed), and
-        `unpersisted` keeps it at a clean close until the commit."""
+        `unpersisted` keeps it at a clean close until the commit. (A rank whose copy was read from
+        another node has no such file: its persist snapshots the state just loaded.)"""
         self.persisting = True
         try:
             schedule()
