@@ -89,11 +89,15 @@ def load(
     else:
         opened, reader = None, storage_reader
     use_dist = not no_dist and dist.is_available() and dist.is_initialized()
-    target = expand_statefuls(state_dict)
-    gather = _all_gather(process_group) if use_dist and dist.get_world_size(process_group) > 1 else None
-    filled = receive_everything(target, reader.read_metadata(), path, strict, gather)
-    if verify and opened is not None:
-        problems = verify_checkpoint(opened)
+    with interrupted_before_changes(path):  # Ctrl-C from here to the load's own handling says so too
+        target = expand_statefuls(state_dict)
+        gather = _all_gather(process_group) if use_dist and dist.get_world_size(process_group) > 1 else None
+        filled = receive_everything(target, reader.read_metadata(), path, strict, gather)
+        try:
+            problems = verify_checkpoint(opened) if verify and opened is not None else []
+        except BaseException:
+            filled.undo()
+            raise
         if problems:
             filled.undo()
             raise CheckpointError(f"{path!r} failed verification: " + "; ".join(problems[:5]))
@@ -113,11 +117,12 @@ def load(
             else:
                 state_dict[key] = target[key]
     except BaseException as exc:  # DCP's CheckpointException is a BaseException
-        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+        if isinstance(exc, SystemExit) or (isinstance(exc, KeyboardInterrupt) and exc.args):
             raise
         filled.undo()
         failures = exc.failures if isinstance(exc, CheckpointException) else {}
-        if any(isinstance(e, KeyboardInterrupt) for e, _ in failures.values()):  # Ctrl-C, which DCP wrapped
+        wrapped = any(isinstance(e, KeyboardInterrupt) for e, _ in failures.values())  # DCP wraps a Ctrl-C
+        if isinstance(exc, KeyboardInterrupt) or wrapped:
             raise KeyboardInterrupt(f"loading {path!r}: {PARTLY_LOADED if reader.touched else NOT_CHANGED}") from exc
         causes = "; ".join(f"rank {rank}: {_describe(e)}" for rank, (e, _) in sorted(failures.items())) or _describe(exc)
         if reader.touched:  # this rank's tensors were being written (or were, and another rank failed)

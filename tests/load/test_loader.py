@@ -515,3 +515,30 @@ def test_ctrl_c_while_reading_metadata_says_nothing_was_changed(tmp_path, monkey
         with pytest.raises(KeyboardInterrupt, match="nothing in state_dict was changed"):
             ckpt.load_latest(target)
     assert torch.equal(target["w"], torch.zeros(6))
+
+
+class _InterruptedStateful:
+    """A Stateful that a Ctrl-C reaches in `state_dict()` (before a load reads anything) or in
+    `load_state_dict()` (after the load wrote its tensors)."""
+
+    def __init__(self, when: str):
+        self.when, self.w = when, torch.zeros(6)
+
+    def state_dict(self):
+        if self.when == "state_dict":
+            raise KeyboardInterrupt
+        return {"w": self.w}
+
+    def load_state_dict(self, state):
+        raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("when, says", [("state_dict", "nothing in state_dict was changed"),
+                                        ("load_state_dict", "PARTLY LOADED")])
+def test_ctrl_c_in_a_statefuls_own_calls_says_what_the_load_changed(tmp_path, when, says):
+    """Ctrl-C anywhere in a load is KeyboardInterrupt saying whether the state was changed, also in
+    the load's own steps around DCP's (a Stateful's state_dict() before, its load_state_dict() after)."""
+    with AsyncCheckpointer(str(tmp_path)) as ckpt:
+        ckpt.schedule_save({"m": {"w": torch.arange(6.0)}}, step=1)
+    with pytest.raises(KeyboardInterrupt, match=f"loading .*step_00000001.*: .*{says}"):
+        load({"m": _InterruptedStateful(when)}, str(tmp_path / "step_00000001"))
