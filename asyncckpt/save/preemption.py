@@ -86,6 +86,7 @@ class Preemption:
         self._take_over = take_over
         self._takeover: Optional[threading.Thread] = None  # the thread running close() for the loop
         self.closed_for_the_loop = False  # take_over closed it (set by the checkpointer, under its lock)
+        self.told = False  # a close (the loop's or take_over's) said on stderr what was saved
         self._closed = threading.Event()
         self._wake: Optional[tuple[int, int]] = None  # the watchdog's pipe (read end, write end)
         self._group = group  # several ranks: the flag rides on the agreements the saves make anyway (ranks.py)
@@ -162,7 +163,8 @@ class Preemption:
         self._takeover.start()
         if self._closed.wait(max(0.0, self._at + self.grace_s - time.monotonic())):
             return
-        after = "the checkpointer was closed for the loop (above)" if self.closed_for_the_loop else ""
+        after = ("the checkpointer was closed for the loop (above)" if self.closed_for_the_loop else
+                 "what was saved is said above (the worker's stop had not ended)" if self.told else "")
         end_now(self.signum or _received or signal.SIGTERM, self._kill_worker, f"grace_s ({self.grace_s:g}s) ran out", after)
 
     def _post(self) -> None:
@@ -273,6 +275,7 @@ class Preemption:
             except Exception as exc:  # the copy stays in the memory tier; what is on disk is intact
                 problem = f"writing it to disk failed: {exc}"
         _say(f"asyncckpt: preempted ({name}): {self.describe(memory_tier, problem)}")
+        self.told = True  # (the grace's end must not then say the save was given up)
         return reports
 
     def describe(self, memory_tier: bool, problem: str = "") -> str:

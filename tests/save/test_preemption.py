@@ -376,7 +376,11 @@ def assert_step_2_committed(root: str, exits: list[dict], ranks: int = 1) -> Non
         said = f"rank {rank}: {end}"
         assert end["rc"] == PREEMPTED_EXIT_CODE, said
         assert "closed for it" in end["err"] and "step 2 committed" in end["err"], said
-        assert "the checkpointer was closed for the loop" in end["err"], said
+        # closed for it; on a busy box the worker's stop may still run at the grace's end, which then
+        # says so instead (never that the save was given up: it was committed)
+        closed = ("the checkpointer was closed for the loop", "the worker's stop had not ended")
+        assert any(words in end["err"] for words in closed), said
+        assert "given up" not in end["err"], said
     assert read_latest_marker(root) == "step_00000002"
     state = {f"w{r}": {f"t{i}": torch.zeros(512 * 1024) for i in range(8)} for r in range(ranks)} | {"step": -1}
     load(state, os.path.join(root, "step_00000002"), no_dist=True)  # the copy staged at step 2, not what followed
