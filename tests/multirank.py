@@ -1,10 +1,16 @@
 """Helpers to run a function on N gloo ranks (CPU) with a hard timeout.
 
 The ranks meet through a FileStore in a fresh directory, not a TCP port: a port picked free can be
-taken by the other pytest process before rank 0 binds it (gloo's own pairs bind port 0)."""
+taken by the other pytest process before rank 0 binds it (gloo's own pairs bind port 0).
+
+Ranks are forked from a fork server that imported torch and asyncckpt once (per pytest process),
+not spawned: a spawned rank spends ~3 s of CPU importing them, which was minutes of the suite on
+2 cores. A forked rank is as fresh (the server never ran a test) but inherits the environment of
+the server's start: each rank takes the test's environment as it is at `run_ranks`."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import shutil
 import sys
@@ -16,7 +22,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _entry(rank: int, fn, world_size: int, store_path: str, args: tuple) -> None:
+PRELOADED = ["torch", "torch.distributed", "torch.distributed.checkpoint", "asyncckpt", "multirank", "cuda_like"]
+multiprocessing.set_forkserver_preload(PRELOADED)
+
+
+def _entry(rank: int, fn, world_size: int, store_path: str, args: tuple, environ: dict) -> None:
     """Run fn on this rank; on success leave with os._exit(0) once gloo is torn down.
 
     Why not a normal exit: in torch 2.13 a gloo worker thread can still be releasing a finished
@@ -25,6 +35,8 @@ def _entry(rank: int, fn, world_size: int, store_path: str, args: tuple) -> None
     is decided by then (a failure raises above and is reported by torch.multiprocessing)."""
     from cuda_like import dtensor_as_on_cuda
 
+    os.environ.clear()
+    os.environ.update(environ)  # the test's, not the fork server's (CUDA reads it at its first use)
     dtensor_as_on_cuda()  # as in the pytest process (conftest.py)
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size)
     try:
@@ -41,8 +53,8 @@ def run_ranks(fn, world_size: int, *args, timeout_s: float = 240.0, gpus: bool =
     """Run fn(rank, world_size, *args) on `world_size` spawned ranks; raise if any rank fails or
     if they do not all finish within `timeout_s` (so a bug fails the test instead of hanging).
     The ranks see no GPU unless `gpus` (the `cuda`-marked tests whose ranks use one).
-    The bound is a hang guard, not a speed check: generous, because each rank and its worker
-    start an interpreter and import torch, which takes minutes for 4 ranks on a busy 2-core box."""
+    The bound is a hang guard, not a speed check: generous, because each rank's worker starts an
+    interpreter, and the first call in a pytest process starts the fork server (imports torch)."""
     rendezvous = tempfile.mkdtemp(prefix="asyncckpt-ranks-")
     with pytest.MonkeyPatch.context() as env:
         # CPU ranks see no GPU: on a GPU machine torchtitan and DCP would build pinned-memory
@@ -50,8 +62,8 @@ def run_ranks(fn, world_size: int, *args, timeout_s: float = 240.0, gpus: bool =
         if not gpus:
             env.setenv("CUDA_VISIBLE_DEVICES", "")
         context = mp.start_processes(
-            _entry, args=(fn, world_size, os.path.join(rendezvous, "store"), args), nprocs=world_size, join=False,
-            start_method="spawn",
+            _entry, args=(fn, world_size, os.path.join(rendezvous, "store"), args, dict(os.environ)),
+            nprocs=world_size, join=False, start_method="forkserver",
         )
     deadline = time.monotonic() + timeout_s
     try:
