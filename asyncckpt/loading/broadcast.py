@@ -4,14 +4,14 @@ Without this, every rank of a job reads and unpickles the whole `.metadata` (and
 sidecar) from storage on its own: 16,384 ranks x a 3.5 GiB file of a 70B FSDP save is tens of TB
 of reads of one object. Here one rank of the load's group (its rank 0) reads them, checks them
 (`opened.open_checkpoint`: refused pickles and paths outside the checkpoint fail there), and sends
-their bytes to the others through a gloo group (two collectives: the lengths, then the bytes);
-every other rank parses the bytes it got and reads nothing of them from storage (on an object
-store: one GET of `.metadata` per job). A failure on the reading rank is sent instead, so every
+their bytes to the others a node at a time (metadata_share.py: to one rank of each node over
+gloo, inside a node through /dev/shm; the plain gloo broadcast where that cannot be); every other
+rank parses the bytes it got and reads nothing of them from storage (on an object store: one
+GET of `.metadata` per job). A failure on the reading rank is sent instead, so every
 rank raises the same error. A rank that dies meanwhile makes the others raise within the group's
 timeout (`LOAD_TIMEOUT_S`, or the checkpointer's own collective timeout for `load_latest`).
 
 Without a process group (or with `no_dist`, or one rank) every rank opens the checkpoint itself.
-Later: one reading rank per node (then a second hop inside each node).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import torch.distributed as dist
 from ..errors import CheckpointError
 from ..layout import METADATA_FILE
 from ..storage import storage_for
+from .metadata_share import node_keys, spread_blobs
 from .opened import OpenCheckpoint, as_open, opened_from_bytes, require_committed
 
 log = logging.getLogger(__name__)
@@ -121,9 +122,9 @@ def open_shared(path: str | OpenCheckpoint, *, trusted: bool = False, group: Opt
             blobs = [None, data, sidecar_file.encode() if sidecar_file else None, sidecar]
         except Exception as exc:
             kind = b"C" if isinstance(exc, CheckpointError) else b"O" if isinstance(exc, OSError) else b"?"
-            broadcast_blobs([kind + str(exc).encode(), None, None, None], 4, group, f"opening {path}")
+            _spread([kind + str(exc).encode(), None, None, None], group, f"opening {path}")
             raise
-    error, data, sidecar_file, sidecar = broadcast_blobs(blobs, 4, group, f"opening {path}")
+    error, data, sidecar_file, sidecar = _spread(blobs, group, f"opening {path}")
     if error is not None:
         message = error[1:].decode(errors="replace")
         raise _ERROR_KINDS.get(error[:1], CheckpointError)(message if error[:1] != b"?" else f"rank {group.src}: {message}")
@@ -132,6 +133,11 @@ def open_shared(path: str | OpenCheckpoint, *, trusted: bool = False, group: Opt
         opened._sidecar_file = sidecar_file.decode() if sidecar_file is not None else None
         opened._sidecar_bytes = sidecar
     return opened
+
+
+def _spread(blobs: Optional[list[Optional[bytes]]], group: LoadGroup, what: str) -> list[Optional[bytes]]:
+    """The reading rank's four blobs on every rank of `group`, a node at a time."""
+    return spread_blobs(blobs, 4, group, what, node_keys(group), broadcast_blobs)
 
 
 def _read_or_none(storage, file: Optional[str]) -> Optional[bytes]:

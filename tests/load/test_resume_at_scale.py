@@ -124,25 +124,30 @@ def test_ddp_resume_reads_metadata_once_and_every_byte_once_per_job(tmp_path):
         assert all(c[call]["data_bytes"] < stored_bytes(path) * 0.6 for c in counts), (call, counts)  # spread
 
 
-def _reader_dies(rank: int, world: int, path: str, out: str) -> None:
+def _reader_dies(rank: int, world: int, path: str, out: str, nodes: str) -> None:
     import asyncckpt.loading.broadcast as broadcast
+    import asyncckpt.loading.node_share as node_share
 
+    # "two": ranks 0, 1 and 2, 3 (rank 2 waits for rank 0's bytes, ranks 1 and 3 for their node's
+    # file); "own": every rank a node of its own (the plain broadcast)
+    node_share.node_key = (lambda: f"node{rank // 2}") if nodes == "two" else (lambda: "")
     group = dist.new_group(backend="gloo", timeout=timedelta(seconds=30))
     if rank == 0:
-        broadcast.broadcast_blobs = lambda *args, **kwargs: os._exit(0)  # dies with .metadata read, before sending it
+        broadcast.spread_blobs = lambda *args, **kwargs: os._exit(0)  # dies with .metadata read, before sending it
     started = time.monotonic()
-    with pytest.raises(CheckpointError, match="broadcast from rank 0 failed"):
+    with pytest.raises(CheckpointError, match="opening .*(broadcast from|passing it on with|inside the nodes).* failed"):
         load(zeroed(replicated_state()), path, process_group=group)
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump({"raised_after_s": time.monotonic() - started}, f)
     os._exit(0)  # rank 0 is gone: no barrier at the end
 
 
-def test_a_reader_that_dies_in_the_broadcast_fails_the_others_within_the_timeout(tmp_path):
+@pytest.mark.parametrize("nodes", ["two", "own"])
+def test_a_reader_that_dies_in_the_broadcast_fails_the_others_within_the_timeout(tmp_path, nodes):
     path = saved_step_one(str(tmp_path / "root"), replicated_state())
     out = tmp_path / "raised"
     out.mkdir()
-    run_ranks(_reader_dies, WORLD, path, str(out), timeout_s=180)
+    run_ranks(_reader_dies, WORLD, path, str(out), nodes, timeout_s=180)
     raised = [json.loads((out / f"rank{r}.json").read_text())["raised_after_s"] for r in range(1, WORLD)]
     assert max(raised) < 40, raised  # the group's 30 s at most, not gloo's default 30 min
     assert not (out / "rank0.json").exists()
@@ -191,15 +196,35 @@ def _load_counting_paths(rank: int, world: int, path: str, out: str, nodes: str)
     """Load as DDP does, counting the bytes each rank got through shared memory and through gloo.
     `nodes`: "one" (every rank on this machine), "two" (ranks 0, 1 and 2, 3 told they are two
     nodes) or "no room" (one node, but rank 0's /dev/shm cannot hold its payload)."""
+    import asyncckpt.loading.broadcast as broadcast
+    import asyncckpt.loading.metadata_share as metadata_share
     import asyncckpt.loading.node_share as node_share
     import asyncckpt.loading.replicated as replicated
     import asyncckpt.loading.safe_reader as safe_reader
 
     if nodes == "two":
-        safe_reader.node_key = lambda: f"node{rank // 2}"
+        safe_reader.node_key = node_share.node_key = lambda: f"node{rank // 2}"
     if nodes == "no room" and rank == 0:
         node_share.MemoryPayload.create = classmethod(lambda cls, p, size: None)
-        replicated.MemoryPayload = node_share.MemoryPayload
+        replicated.MemoryPayload = metadata_share.MemoryPayload = node_share.MemoryPayload
+    metadata_by = []  # how .metadata reached this rank: "memory", "tree" (from another node), "broadcast"
+    mapped, along_the_tree, broadcast_blobs = metadata_share._mapped, metadata_share._along_the_tree, broadcast.broadcast_blobs
+
+    def counted_mapped(placed):
+        blobs = mapped(placed)
+        metadata_by.extend(["memory"] if blobs is not None else [])
+        return blobs
+
+    def counted_along_the_tree(blobs, count, group, tree_nodes, what):
+        metadata_by.extend(["tree"] if group.rank != 0 else [])
+        return along_the_tree(blobs, count, group, tree_nodes, what)
+
+    def counted_broadcast(*args):
+        metadata_by.append("broadcast")
+        return broadcast_blobs(*args)
+
+    metadata_share._mapped, metadata_share._along_the_tree = counted_mapped, counted_along_the_tree
+    broadcast.broadcast_blobs = counted_broadcast
     got = {"memory": 0, "gloo": 0}
     from_memory, receive_round = replicated._from_memory, replicated._receive_round
 
@@ -220,14 +245,16 @@ def _load_counting_paths(rank: int, world: int, path: str, out: str, nodes: str)
     load(state, path)
     assert_state_equal(state, expected)
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-        json.dump({"got": got, "read": counter.take()["data_bytes"]}, f)
+        json.dump({"got": got, "read": counter.take(), "metadata_by": metadata_by}, f)
 
 
 @pytest.mark.parametrize("nodes", ["one", "two", "no room"])
 def test_ranks_of_one_node_share_through_shared_memory_and_other_nodes_through_gloo(tmp_path, nodes):
     """Inside a node a reader's items go through a file in /dev/shm (no bytes through gloo), to
     other nodes through gloo; a reader whose /dev/shm has no room sends through gloo. Every byte
-    is still read from storage once, the state is whole, and no payload file is left behind."""
+    is still read from storage once, the state is whole, and no payload file is left behind.
+    `.metadata` too: read by rank 0 once, sent to one rank of each other node, to the other ranks
+    of a node through /dev/shm; by the plain broadcast to all when a node has no room for it."""
     path = saved_step_one(str(tmp_path / "root"), replicated_state())
     out = tmp_path / "counts"
     out.mkdir()
@@ -235,7 +262,11 @@ def test_ranks_of_one_node_share_through_shared_memory_and_other_nodes_through_g
     run_ranks(_load_counting_paths, WORLD, path, str(out), nodes)
     counts = [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
     total = stored_bytes(path)
-    assert sum(c["read"] for c in counts) == total, counts
+    assert sum(c["read"]["data_bytes"] for c in counts) == total, counts
+    assert sum(c["read"]["metadata"] for c in counts) == 1 and counts[0]["read"]["metadata"] == 1, counts
+    routes = [c["metadata_by"] for c in counts]
+    assert routes == {"one": [[], ["memory"], ["memory"], ["memory"]], "two": [[], ["memory"], ["tree"], ["memory"]],
+                      "no room": [["broadcast"]] * WORLD}[nodes], routes
     memory, gloo = sum(c["got"]["memory"] for c in counts), sum(c["got"]["gloo"] for c in counts)
     shared = sum(c["got"]["memory"] + c["got"]["gloo"] for c in counts)
     if nodes == "one":
@@ -328,3 +359,19 @@ def test_the_plans_stay_small_at_thousands_of_ranks(layout):
     assert len(readers) == items  # spread: one item each
     item = shares.items[5]
     assert item.reader in item.members and len(item.members) == (ranks if layout == "ddp" else ranks // shards)
+
+
+def test_metadata_goes_to_each_node_once_along_a_tree_of_log2_hops():
+    """The leaders' tree (metadata_share): every leader but the reader gets the bytes from exactly
+    one other, that one sends them on to it, nobody sends more than log2(nodes) times, and every
+    rank's leader is its node's first rank ("" = a node of its own)."""
+    from asyncckpt.loading.metadata_share import nodes_of, tree_children, tree_parent
+
+    for count in range(1, 70):
+        parents = {child: index for index in range(count) for child in tree_children(index, count)}
+        assert sorted(parents) == list(range(1, count)), count
+        assert all(tree_parent(child) == parent for child, parent in parents.items()), count
+        assert max(len(tree_children(i, count)) for i in range(count)) == (count - 1).bit_length(), count
+    nodes = nodes_of(["a", "a", "b", "", "b", "c"])
+    assert nodes.leaders == (0, 2, 3, 5) and nodes.leader_of == (0, 0, 2, 3, 2, 5) and nodes.shared
+    assert not nodes_of(["a", "b", ""]).shared
