@@ -18,6 +18,8 @@ fsynced and its pages dropped with posix_fadvise(DONTNEED)) and warm (just read 
                                process group: .metadata and every item read by one rank, sent to the others)
                                against every rank reading on its own, taken in turns; with the storage bytes all
                                ranks read over the checkpoint's size (loadbench/ddp.py). --ddp-only: just these.
+  .metadata to the ranks       --metadata-only: how `.metadata`'s bytes reach the ranks (plain broadcast, a node at
+                               a time on one node and as two nodes; loadbench/metadata.py)
   with --s3, warm only, the torch_save checkpoint put on a local S3 server (moto_server, loopback):
   asyncckpt.load (s3)          ranged GETs on a pool of threads
   dcp.load (msc reader, s3)    stock dcp.load with multi-storage-client's MultiStorageFileSystemReader
@@ -50,7 +52,7 @@ import torch.distributed.checkpoint as dcp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from savebench.state import build_state, state_tensors  # noqa: E402
-from loadbench import ddp  # noqa: E402
+from loadbench import ddp, metadata  # noqa: E402
 from loadbench.measure import (MiB, RAW_ROWS, check_equal, data_files, empty_like_state,  # noqa: E402
                                in_turns, local_s3, measure, ratios, raw_read, render, restart_rows, turn_ratios)
 
@@ -69,7 +71,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--s3", action="store_true", help="add the object-store rows (a local moto_server; warm only)")
     parser.add_argument("--ddp-ranks", type=int, default=4, help="ranks of the DDP restart rows (0: none; default 4)")
     parser.add_argument("--ddp-only", action="store_true", help="only the DDP restart rows")
+    parser.add_argument("--metadata-only", action="store_true", help="only the .metadata rows (16 and 256 MiB)")
     args = parser.parse_args(argv)
+    if args.metadata_only:
+        print(metadata.metadata_rows(args.ddp_ranks, [16, 256], max(args.repeat, 5)))
+        return 0
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     os.makedirs("bench_out", exist_ok=True)
     root = args.dir or tempfile.mkdtemp(prefix="bench_load-", dir="bench_out")
