@@ -59,16 +59,20 @@ def receive_everything(target: dict[str, Any], metadata: Metadata, path: str, st
     another rank's target holds (a rank's own entries, e.g. `dataloader.dp_rank_3`) is received:
     every rank reaches the same verdict, at one small collective (two when an entry lacks)."""
     filled = Filled()
-    if strict:
-        _fill_optimizer_states(target, metadata, filled)
-    held = set(flatten_state_dict(target)[0])
-    saved = metadata.state_dict_metadata
-    keys = set(map(str, target))
-    lacking = {fqn for fqn in saved if fqn not in held and _named(target, fqn, keys)}
-    if gather is not None:
-        lacking = set().union(*gather(sorted(lacking)))
-        if lacking:  # every rank agrees it is so: each says which of them it holds
-            lacking -= set().union(*gather(sorted(lacking & held)))
+    try:  # (a Ctrl-C or a failed gather: the placeholders go, nothing of the state is changed)
+        if strict:
+            _fill_optimizer_states(target, metadata, filled)
+        held = set(flatten_state_dict(target)[0])
+        saved = metadata.state_dict_metadata
+        keys = set(map(str, target))
+        lacking = {fqn for fqn in saved if fqn not in held and _named(target, fqn, keys)}
+        if gather is not None:
+            lacking = set().union(*gather(sorted(lacking)))
+            if lacking:  # every rank agrees it is so: each says which of them it holds
+                lacking -= set().union(*gather(sorted(lacking & held)))
+    except BaseException:
+        filled.undo()
+        raise
     if lacking and strict:
         filled.undo()
         shown = ", ".join(sorted(lacking)[:8]) + (f" and {len(lacking) - 8} more" if len(lacking) > 8 else "")

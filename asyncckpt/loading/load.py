@@ -78,8 +78,8 @@ def load(
         try:  # a store that cannot be read (after its retries) fails here too, before anything was read
             # a refused .metadata fails here, with its own message, on every rank; resume at scale:
             # read by one rank, sent to the others (broadcast.py)
-            shared_by = load_group(process_group, no_dist)
             with interrupted_before_changes(path):
+                shared_by = load_group(process_group, no_dist)  # (for NCCL: makes a gloo group, a rendezvous)
                 opened = open_shared(path, trusted=trusted, group=shared_by)
         except OSError as exc:
             raise CheckpointError(f"loading {path!r} failed: {exc}; {NOT_CHANGED}") from exc

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
@@ -92,14 +93,16 @@ def spread_blobs(blobs: Optional[Blobs], count: int, group, what: str, keys: Seq
     if not nodes.shared:
         return broadcast(blobs, count, group, what)
     leader = nodes.leader_of[group.rank]
+    ranks_of = Counter(nodes.leader_of)
+    sharing = [r for r in nodes.leaders if ranks_of[r] > 1]  # leaders of nodes of several ranks
     payload: Optional[MemoryPayload] = None
     try:
         if leader == group.rank:
             blobs = _along_the_tree(blobs, count, group, nodes, what)
-            payload = _place(blobs, group.rank)
+            payload = _place(blobs, group.rank) if group.rank in sharing else None
         placed = _all_gather(group, Placed(payload.path, _lengths(blobs)) if payload else None, what)
-        if any(placed[r] is None or placed[r].path is None for r in nodes.leaders):
-            mine = None  # (some node has no room: every rank takes the plain broadcast below)
+        if any(placed[r] is None for r in sharing):
+            mine = None  # (a node has no room: every rank takes the plain broadcast below)
         elif leader == group.rank:
             mine = blobs
         else:
@@ -175,11 +178,15 @@ def _place(blobs: Blobs, rank: int) -> Optional[MemoryPayload]:
     payload = MemoryPayload.create(payload_name(f"meta{secrets.token_hex(4)}", rank, os.getpid()), size)
     if payload is None:
         return None
-    at = 0
-    for blob in blobs:
-        if blob:
-            payload.view(at, len(blob))[:] = blob
-            at += len(blob)
+    try:
+        at = 0
+        for blob in blobs:
+            if blob:
+                payload.view(at, len(blob))[:] = blob
+                at += len(blob)
+    except BaseException:  # (a Ctrl-C while copying: no file left holding the node's memory)
+        payload.remove()
+        raise
     return payload
 
 
@@ -187,13 +194,13 @@ def _mapped(placed: Placed) -> Optional[Blobs]:
     """The blobs of a leader's file (None: it cannot be mapped)."""
     try:
         view = open_payload(placed.path, sum(max(n, 0) for n in placed.lengths))
-    except OSError as exc:
-        log.debug("cannot map %s: %s", placed.path, exc)
+        try:
+            return _cut(view, placed.lengths)
+        finally:
+            view.release()
+    except Exception as exc:  # (not there, short, no memory for the copy: the broadcast instead, no rank waits)
+        log.debug("cannot take the bytes of %s: %s", placed.path, exc)
         return None
-    try:
-        return _cut(view, placed.lengths)
-    finally:
-        view.release()
 
 
 def node_keys(group) -> list[str]:

@@ -77,11 +77,16 @@ def resume(
         opened = None  # the checkpoint, opened once for its load and its damage check
         try:
             # resume at scale: .metadata read by one rank of the job, sent to the others (broadcast.py)
-            shared_by = load_group(group.pg, no_dist=getattr(group, "size", 2) == 1)
             with interrupted_before_changes(info.path, changed_before=touched):
+                shared_by = load_group(group.pg, no_dist=getattr(group, "size", 2) == 1)
                 opened = open_shared(info.path, trusted=trusted, group=shared_by)
-            load(state_dict, opened, trusted=trusted, process_group=group.pg, checksums=checksums,
-                 strict=not allow_partial)
+            try:
+                load(state_dict, opened, trusted=trusted, process_group=group.pg, checksums=checksums,
+                     strict=not allow_partial)
+            except KeyboardInterrupt as exc:  # (an earlier candidate's failed load left the state partly loaded)
+                if touched and NOT_CHANGED in str(exc):
+                    raise KeyboardInterrupt(str(exc).replace(NOT_CHANGED, PARTLY_LOADED)) from exc
+                raise
         except CheckpointError as exc:
             touched = touched or isinstance(exc, PartialLoadError)
             last = strict or n == len(candidates) - 1

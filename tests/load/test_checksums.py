@@ -274,3 +274,32 @@ def test_crc32c_is_the_standard_checksum_of_any_buffer_and_continues_across_piec
     for start in range(0, len(raw), 700_001):
         crc = crc32c(memoryview(data.numpy())[start:start + 700_001], crc)
     assert crc == whole == crc32c(bytearray(raw))
+
+
+def test_a_ctrl_c_in_an_older_candidate_after_a_partial_load_says_partly_loaded(ckpt_root):
+    """load_latest: the newest checkpoint failed half-way into the state (PartialLoadError, the
+    next older one is tried); a Ctrl-C in that one's load, before it changed anything, must still
+    say the state is PARTLY LOADED (the first attempt left it so), not "nothing was changed"."""
+    root = str(ckpt_root)
+
+    class SecondCallInterrupted:
+        def __init__(self):
+            self.w, self.calls = torch.full((4096,), -1.0), 0
+
+        def state_dict(self):
+            self.calls += 1
+            if self.calls == 2:  # the older candidate's load
+                raise KeyboardInterrupt
+            return {"w": self.w}
+
+        def load_state_dict(self, state):
+            pass
+
+    with AsyncCheckpointer(root) as ckpt:
+        for step in range(2):
+            ckpt.schedule_save({"m": {"w": torch.full((4096,), float(step))}}, step=step)
+        ckpt.finalize(blocking=True)
+        record = checksum_record(step_path(root, 1), "m.w")
+        flip_byte(os.path.join(step_path(root, 1), record["file"]), record["start"] + record["length"] - 100)
+        with pytest.raises(KeyboardInterrupt, match="step_00000000.*PARTLY LOADED"):
+            ckpt.load_latest({"m": SecondCallInterrupted()})

@@ -89,3 +89,23 @@ def test_strict_false_and_allow_partial_load_only_what_the_target_holds(saved):
         assert ckpt.load_latest(state, allow_partial=True) == 3
     assert_state_equal(state["model"]["2.bias"], expected["model"]["2.bias"])
     assert "state" not in state["optim"]
+
+
+def test_a_ctrl_c_while_the_ranks_agree_on_what_lacks_leaves_no_placeholder(saved):
+    """The fresh optimizer's empty `state` gets placeholders for the saved moments, then the ranks
+    agree (a collective) on what lacks: a Ctrl-C there takes the placeholders out again, so the
+    KeyboardInterrupt's "nothing in state_dict was changed" is true."""
+    from asyncckpt.loading.completeness import receive_everything
+    from asyncckpt.loading.opened import open_checkpoint
+
+    root, _ = saved
+    model, optimizer = fresh()
+    state = {"model": model.state_dict(), "optim": optimizer.state_dict()}
+    path = step_path(root, 3)
+
+    def interrupted(_):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        receive_everything(state, open_checkpoint(path).metadata, path, True, interrupted)
+    assert state["optim"]["state"] == {}
