@@ -26,7 +26,21 @@ PRELOADED = ["torch", "torch.distributed", "torch.distributed.checkpoint", "asyn
 multiprocessing.set_forkserver_preload(PRELOADED)
 
 
-def _entry(rank: int, fn, world_size: int, store_path: str, args: tuple, environ: dict) -> None:
+def _as_the_test(environ: dict, test_pid: int) -> None:
+    """A forked rank takes the test's environment and its stdout/stderr (where pytest captures
+    them now), not those the fork server was started with (an earlier test's)."""
+    os.environ.clear()
+    os.environ.update(environ)  # (CUDA reads CUDA_VISIBLE_DEVICES at its first use, after this)
+    for fd in (1, 2):
+        try:
+            now = os.open(f"/proc/{test_pid}/fd/{fd}", os.O_WRONLY | os.O_APPEND)
+        except OSError:
+            continue  # (no /proc: the fork server's)
+        os.dup2(now, fd)
+        os.close(now)
+
+
+def _entry(rank: int, fn, world_size: int, store_path: str, args: tuple, environ: dict, test_pid: int) -> None:
     """Run fn on this rank; on success leave with os._exit(0) once gloo is torn down.
 
     Why not a normal exit: in torch 2.13 a gloo worker thread can still be releasing a finished
@@ -35,8 +49,7 @@ def _entry(rank: int, fn, world_size: int, store_path: str, args: tuple, environ
     is decided by then (a failure raises above and is reported by torch.multiprocessing)."""
     from cuda_like import dtensor_as_on_cuda
 
-    os.environ.clear()
-    os.environ.update(environ)  # the test's, not the fork server's (CUDA reads it at its first use)
+    _as_the_test(environ, test_pid)
     dtensor_as_on_cuda()  # as in the pytest process (conftest.py)
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size)
     try:
@@ -62,7 +75,7 @@ def run_ranks(fn, world_size: int, *args, timeout_s: float = 240.0, gpus: bool =
         if not gpus:
             env.setenv("CUDA_VISIBLE_DEVICES", "")
         context = mp.start_processes(
-            _entry, args=(fn, world_size, os.path.join(rendezvous, "store"), args, dict(os.environ)),
+            _entry, args=(fn, world_size, os.path.join(rendezvous, "store"), args, dict(os.environ), os.getpid()),
             nprocs=world_size, join=False, start_method="forkserver",
         )
     deadline = time.monotonic() + timeout_s
