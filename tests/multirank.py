@@ -76,7 +76,8 @@ def run_ranks(fn, world_size: int, *args, timeout_s: float = 240.0, gpus: bool =
             env.setenv("CUDA_VISIBLE_DEVICES", "")
         context = mp.start_processes(
             _entry, args=(fn, world_size, os.path.join(rendezvous, "store"), args, dict(os.environ), os.getpid()),
-            nprocs=world_size, join=False, start_method="forkserver",
+            nprocs=world_size, join=False,
+            start_method="spawn" if gpus else "forkserver",  # (GPU ranks: no fork anywhere near CUDA)
         )
     deadline = time.monotonic() + timeout_s
     try:
