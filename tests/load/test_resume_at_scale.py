@@ -375,3 +375,38 @@ def test_metadata_goes_to_each_node_once_along_a_tree_of_log2_hops():
     nodes = nodes_of(["a", "a", "b", "", "b", "c"])
     assert nodes.leaders == (0, 2, 3, 5) and nodes.leader_of == (0, 0, 2, 3, 2, 5) and nodes.shared
     assert not nodes_of(["a", "b", ""]).shared
+
+
+def _spread_over_four_nodes(rank: int, world: int, out: str) -> None:
+    """Ranks 0, 1 one node, ranks 2, 3, 4 a node each: leaders 0, 2, 3, 4, and rank 4 gets the bytes
+    from rank 2 (the tree's relay), not from rank 0."""
+    import asyncckpt.loading.metadata_share as metadata_share
+    from asyncckpt.loading.broadcast import broadcast_blobs, load_group
+
+    keys = ["a", "a", "b", "c", "d"]
+    blobs = [None, bytes(range(256)) * 4096, b"sidecar", b""] if rank == 0 else None
+    sources = []
+    recv = dist.recv
+
+    def counted_recv(tensor, src=None, **kwargs):
+        sources.append(src)
+        return recv(tensor, src=src, **kwargs)
+
+    metadata_share.dist.recv = counted_recv
+    try:
+        got = metadata_share.spread_blobs(blobs, 4, load_group(), "test", keys, broadcast_blobs)
+    finally:
+        metadata_share.dist.recv = recv
+    assert got == [None, bytes(range(256)) * 4096, b"sidecar", b""], [len(b) if b else b for b in got]
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump({"from": sorted(set(sources))}, f)
+
+
+def test_metadata_relayed_by_a_leader_reaches_every_node(tmp_path):
+    """Five ranks as four nodes: the bytes reach each leader once, rank 4's through rank 2 (a leader
+    passes them on), and rank 1 through its node's file; every rank holds them exactly."""
+    before = set(os.listdir("/dev/shm"))
+    run_ranks(_spread_over_four_nodes, 5, str(tmp_path), timeout_s=180)
+    came_from = [json.loads((tmp_path / f"rank{r}.json").read_text())["from"] for r in range(5)]
+    assert came_from == [[], [], [0], [0], [2]], came_from
+    assert not [n for n in set(os.listdir("/dev/shm")) - before if n.startswith("asyncckpt-load-")]
