@@ -63,7 +63,7 @@ def _entry(rank: int, fn, world_size: int, store_path: str, args: tuple, environ
 
 
 def run_ranks(fn, world_size: int, *args, timeout_s: float = 240.0, gpus: bool = False) -> None:
-    """Run fn(rank, world_size, *args) on `world_size` spawned ranks; raise if any rank fails or
+    """Run fn(rank, world_size, *args) on `world_size` ranks (forked; spawned if `gpus`); raise if any rank fails or
     if they do not all finish within `timeout_s` (so a bug fails the test instead of hanging).
     The ranks see no GPU unless `gpus` (the `cuda`-marked tests whose ranks use one).
     The bound is a hang guard, not a speed check: generous, because each rank's worker starts an

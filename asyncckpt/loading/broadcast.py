@@ -27,7 +27,7 @@ import torch.distributed as dist
 from ..errors import CheckpointError
 from ..layout import METADATA_FILE
 from ..storage import storage_for
-from .metadata_share import node_keys, spread_blobs
+from .metadata_share import blob_lengths, cut_blobs, joined_blobs, node_keys, spread_blobs
 from .opened import OpenCheckpoint, as_open, opened_from_bytes, require_committed
 
 log = logging.getLogger(__name__)
@@ -73,27 +73,18 @@ def broadcast_blobs(blobs: Optional[Sequence[Optional[bytes]]], count: int, grou
     for their lengths, one for their bytes. CheckpointError naming `what` if a rank failed or died."""
     lengths = torch.full((count,), -1, dtype=torch.int64)
     if group.is_reader:
-        lengths = torch.tensor([-1 if b is None else len(b) for b in blobs], dtype=torch.int64)
+        lengths = torch.tensor(blob_lengths(blobs), dtype=torch.int64)
     try:
         dist.broadcast(lengths, src=group.src, group=group.pg)
         total = int(lengths.clamp(min=0).sum())
-        if group.is_reader:
-            payload = torch.frombuffer(bytearray(b"".join(b for b in blobs if b is not None)) or bytearray(1), dtype=torch.uint8)
-        else:
-            payload = torch.empty(max(total, 1), dtype=torch.uint8)
+        payload = joined_blobs(blobs) if group.is_reader else torch.empty(max(total, 1), dtype=torch.uint8)
         if total:
             dist.broadcast(payload, src=group.src, group=group.pg)
     except Exception as exc:  # gloo: a peer gone, or the group's timeout
         raise CheckpointError(f"{what}: the broadcast from rank {group.src} failed ({type(exc).__name__}: {exc})") from None
     if group.is_reader:
         return list(blobs)
-    data = memoryview(payload.numpy())
-    out: list[Optional[bytes]] = []
-    at = 0
-    for n in lengths.tolist():
-        out.append(None if n < 0 else bytes(data[at:at + n]))
-        at += max(n, 0)
-    return out
+    return cut_blobs(memoryview(payload.numpy()), lengths.tolist())
 
 
 _ERROR_KINDS = {b"C": CheckpointError, b"O": OSError}

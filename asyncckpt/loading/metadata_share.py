@@ -79,9 +79,9 @@ def tree_parent(index: int) -> int:
 
 @dataclass(frozen=True)
 class Placed:
-    """Where a leader put the bytes for its node (path None: its /dev/shm had no room)."""
+    """Where a leader put the bytes for its node (a leader with no room there tells None instead)."""
 
-    path: Optional[str]
+    path: str
     lengths: tuple[int, ...]
 
 
@@ -100,7 +100,7 @@ def spread_blobs(blobs: Optional[Blobs], count: int, group, what: str, keys: Seq
         if leader == group.rank:
             blobs = _along_the_tree(blobs, count, group, nodes, what)
             payload = _place(blobs, group.rank) if group.rank in sharing else None
-        placed = _all_gather(group, Placed(payload.path, _lengths(blobs)) if payload else None, what)
+        placed = _all_gather(group, Placed(payload.path, blob_lengths(blobs)) if payload else None, what)
         if any(placed[r] is None for r in sharing):
             mine = None  # (a node has no room: every rank takes the plain broadcast below)
         elif leader == group.rank:
@@ -130,12 +130,11 @@ def _along_the_tree(blobs: Optional[Blobs], count: int, group, nodes: Nodes, wha
         payload = torch.empty(max(int(lengths.clamp(min=0).sum()), 1), dtype=torch.uint8)
         if int(lengths.clamp(min=0).sum()):
             _p2p(lambda: dist.recv(payload, src=parent, group=group.pg), what, parent)
-        blobs = _cut(memoryview(payload.numpy()), lengths.tolist())
+        blobs = cut_blobs(memoryview(payload.numpy()), lengths.tolist())
     children = [global_rank(nodes.leaders[c]) for c in tree_children(index, len(nodes.leaders))]
     if children:
-        lengths = torch.tensor(_lengths(blobs), dtype=torch.int64)
-        payload = torch.frombuffer(bytearray(b"".join(b for b in blobs if b is not None)) or bytearray(1),
-                                   dtype=torch.uint8)
+        lengths = torch.tensor(blob_lengths(blobs), dtype=torch.int64)
+        payload = joined_blobs(blobs)
         for child in children:
             _p2p(lambda: dist.send(lengths, dst=child, group=group.pg), what, child)
             if int(lengths.clamp(min=0).sum()):
@@ -159,11 +158,18 @@ def _all_gather(group, mine, what: str) -> list:
     return every
 
 
-def _lengths(blobs: Blobs) -> tuple[int, ...]:
+def blob_lengths(blobs: Blobs) -> tuple[int, ...]:
+    """Each blob's length, -1 for None (how the blobs travel: their lengths, then their bytes)."""
     return tuple(-1 if b is None else len(b) for b in blobs)
 
 
-def _cut(data: memoryview, lengths: Sequence[int]) -> Blobs:
+def joined_blobs(blobs: Blobs) -> torch.Tensor:
+    """The blobs' bytes one after another, as a uint8 tensor to send (one byte if there are none)."""
+    return torch.frombuffer(bytearray(b"".join(b for b in blobs if b is not None)) or bytearray(1), dtype=torch.uint8)
+
+
+def cut_blobs(data: memoryview, lengths: Sequence[int]) -> Blobs:
+    """The blobs of `joined_blobs`' bytes, given their `blob_lengths`."""
     out: Blobs = []
     at = 0
     for n in lengths:
@@ -174,7 +180,7 @@ def _cut(data: memoryview, lengths: Sequence[int]) -> Blobs:
 
 def _place(blobs: Blobs, rank: int) -> Optional[MemoryPayload]:
     """The blobs one after another in a file under /dev/shm (None: no room there)."""
-    size = sum(max(n, 0) for n in _lengths(blobs))
+    size = sum(max(n, 0) for n in blob_lengths(blobs))
     payload = MemoryPayload.create(payload_name(f"meta{secrets.token_hex(4)}", rank, os.getpid()), size)
     if payload is None:
         return None
@@ -195,7 +201,7 @@ def _mapped(placed: Placed) -> Optional[Blobs]:
     try:
         view = open_payload(placed.path, sum(max(n, 0) for n in placed.lengths))
         try:
-            return _cut(view, placed.lengths)
+            return cut_blobs(view, placed.lengths)
         finally:
             view.release()
     except Exception as exc:  # (not there, short, no memory for the copy: the broadcast instead, no rank waits)
