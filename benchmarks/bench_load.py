@@ -17,7 +17,8 @@ fsynced and its pages dropped with posix_fadvise(DONTNEED)) and warm (just read 
   N-rank DDP restart            --ddp-ranks (default 4) gloo ranks each loading the whole checkpoint: shared (the job's
                                process group: .metadata and every item read by one rank, sent to the others)
                                against every rank reading on its own, taken in turns; with the storage bytes all
-                               ranks read over the checkpoint's size (loadbench/ddp.py). --ddp-only: just these.
+                               ranks read over the checkpoint's size, and cold the bytes fetched from the disk
+                               (loadbench/ddp.py). --ddp-only: just these; with --s3 also from the S3 server.
   .metadata to the ranks       --metadata-only: how `.metadata`'s bytes reach the ranks (plain broadcast, a node at
                                a time on one node and as two nodes; loadbench/metadata.py)
   with --s3, warm only, the torch_save checkpoint put on a local S3 server (moto_server, loopback):
@@ -144,7 +145,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                     target = empty_like_state(state)
         raw_dest = torch.ones(sum(os.path.getsize(f) for f in data_files(paths["torch_save"])), dtype=torch.uint8)
         raw_view = memoryview(raw_dest.numpy())
-        ddp_rows = ddp.ddp_rows(paths["torch_save"], args.ddp_ranks, args.repeat) if args.ddp_ranks > 1 else []
+        ddp_rows = _ddp_rows(paths["torch_save"], args, root) if args.ddp_ranks > 1 else []
         table = render(results, state_bytes) + ("\n\n" + ddp.render(ddp_rows) if ddp_rows else "")
         figures = {**ratios(results), **turn_ratios(turns)}
         print(f"\nload, {state_bytes / MiB:.0f} MiB state, {len(state_tensors(state))} tensors, one run, "
@@ -167,11 +168,20 @@ def main(argv: Optional[list[str]] = None) -> int:
     return 0
 
 
+def _ddp_rows(path: str, args, root: str) -> list:
+    """The DDP restart rows of the checkpoint at `path`; with --s3 also of a copy on a local S3 server."""
+    rows = ddp.ddp_rows(path, args.ddp_ranks, args.repeat)
+    if args.s3:
+        with local_s3(os.path.join(root, "s3-ddp"), path) as (_, url):
+            rows += ddp.ddp_rows(path, args.ddp_ranks, args.repeat, stored_at=url)
+    return rows
+
+
 def _ddp_only(state: dict[str, Any], path: str, args) -> int:
     """The DDP restart rows alone (a quick run on a busy box)."""
     with AsyncCheckpointer(config=CheckpointConfig()) as ckpt:
         ckpt.schedule_save(state, checkpoint_dir=path)
-    rows = ddp.ddp_rows(path, args.ddp_ranks, args.repeat)
+    rows = _ddp_rows(path, args, os.path.dirname(path))
     state_bytes = sum(t.numel() * t.element_size() for t in state_tensors(state))
     print(f"\nrestart, {state_bytes / MiB:.0f} MiB state, {args.ddp_ranks} gloo ranks, one run, median of {args.repeat} "
           f"rounds taken in turns\n{ddp.render(rows)}")

@@ -160,9 +160,13 @@ class ObjectRanges(ByteSource):
 class SharedSource(ByteSource):
     """Reads served from the shared items' bytes where they cover them, from `base` elsewhere."""
 
-    def __init__(self, base: ByteSource, held: dict[tuple[str, int], bytes | memoryview]) -> None:
-        """`held`: the bytes held, by (file path, offset)."""
+    def __init__(self, base: ByteSource, held: dict[tuple[str, int], bytes | memoryview],
+                 checked: frozenset[tuple[str, int, int]] = frozenset()) -> None:
+        """`held`: the bytes held, by (file path, offset). `checked`: the (file path, offset,
+        length) of those whose checksum was checked where this rank copies them from (the memory
+        its reader read them into), which the load need not check again."""
         self.base = base
+        self.checked = checked
         self.threads, self.piece_bytes = base.threads, base.piece_bytes
         self.step_bytes, self.whole_item_bytes = base.step_bytes, base.whole_item_bytes
         self._ranges: dict[str, list[tuple[int, int, bytes | memoryview]]] = {}

@@ -2,12 +2,15 @@
 
 With DDP every rank loads the same full tensors; with HSDP every rank of a replicate group the
 same shards: the same (file, offset, length) read by k ranks is k times the storage traffic.
-The coordinator sees every rank's load plan (DCP's global plan step, `SafeReader.
-prepare_global_plan`): an item read by several ranks is *shared* by them; one of them, chosen so
-each reads about 1/k of the bytes, reads it (checking its checksum) and broadcasts it to the
+The coordinator sees every rank's load plan (DCP's global plan step, read_shares.py): an item
+read by several ranks is *shared* by them; one of them, chosen so each reads about 1/k of the
+bytes, reads it (checking its checksum) and broadcasts it to the
 others, which check each item's length and CRC32C (and the sidecar's checksum when they have
-it): to the ranks of its own node through a file in shared memory (node_share.py), to those of
-other nodes point to point over gloo. No user flag: the plans say which ranks read what.
+it): to those of other nodes point to point over gloo; to the ranks of its own node through a
+file in shared memory (node_share.py) on an object store, while on a file system they read it
+themselves, through the page cache their node shares (`ReadShares.reads_itself`: the storage is
+read once per node, and copying from the cache is cheaper than any hand-over). No user flag:
+the plans say which ranks read what.
 
 Then every rank loads as before through `SharedSource`, which serves the shared items' bytes
 from memory and passes any other read to the storage. The shared bytes are held in host memory
@@ -18,12 +21,7 @@ the device targets).
 
 from __future__ import annotations
 
-import bisect
-import hashlib
-import heapq
 import os
-import sys
-import uuid
 from contextlib import contextmanager
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -31,162 +29,13 @@ from typing import Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.planner import LoadPlan
 
 from ..errors import CheckpointError, PartialLoadError
 from ..formats import crc32c
 from .broadcast import LoadGroup
 from .byte_sources import ByteSource, SharedSource
 from .node_share import MemoryPayload, open_payload, payload_name
-
-SHARED_BYTES_MAX = 4 << 30  # host memory a load may hold shared bytes in, per rank
-
-
-Ranks = range | tuple[int, ...]  # (a range where the ranks are evenly spaced: DDP's all, HSDP's replicas)
-
-
-@dataclass(frozen=True)
-class SharedItem:
-    """One stored item several ranks read: its bytes in its file, who reads it from storage."""
-
-    relative_path: str
-    offset: int
-    length: int
-    reader: int  # the rank of the load's group that reads it
-    members: Ranks  # every rank of the group that needs it (the reader among them); one object per set
-
-
-@dataclass(frozen=True)
-class ReadShares:
-    """The coordinator's verdict, sent to every rank with its plan (`LoadPlan.storage_data`):
-    the shared items, every rank's node and the load's id (it names the readers' files in shared
-    memory). Its size does not grow with ranks x items: each set of members is one object (a
-    range where it can be), which every item refers to, and the nodes are runs of consecutive
-    ranks (`node_runs`: (first rank, node number); -1: a rank that shares no memory)."""
-
-    items: tuple[SharedItem, ...]
-    node_runs: tuple[tuple[int, int], ...] = ()
-    nonce: str = ""
-
-    def node(self, rank: int) -> int:
-        at = bisect.bisect_right(self.node_runs, (rank, sys.maxsize)) - 1
-        return self.node_runs[at][1] if at >= 0 else -1
-
-    def same_node(self, a: int, b: int) -> bool:
-        node = self.node(a)
-        return node >= 0 and node == self.node(b)
-
-    def layout(self, reader: int) -> tuple[list[SharedItem], dict[SharedItem, int]]:
-        """The items `reader` reads, in order, and where each lies in its payload."""
-        items = [item for item in self.items if item.reader == reader]
-        at, where = 0, {}
-        for item in items:
-            where[item] = at
-            at += item.length
-        return items, where
-
-    def local_receivers(self, reader: int) -> bool:
-        sets = {id(item.members): item.members for item in self.items if item.reader == reader}
-        return any(m != reader and self.same_node(m, reader) for members in sets.values() for m in members)
-
-    def rounds(self) -> list[tuple[Ranks, int, list[SharedItem]]]:
-        """(members, reader, its items) in the order every rank runs them (the items' order)."""
-        grouped: dict[tuple[Ranks, int], list[SharedItem]] = {}
-        for item in self.items:
-            grouped.setdefault((item.members, item.reader), []).append(item)
-        return [(members, reader, items) for (members, reader), items in grouped.items()]
-
-
-@dataclass(frozen=True)
-class PlanNote:
-    """What each rank's local plan tells the coordinator (`LoadPlan.storage_data`): its node
-    (node_share.node_key) and a digest of the stored items it reads, so that ranks reading the
-    same items (DDP: all of them) are one group, whose items the coordinator goes through once."""
-
-    node: str
-    items_digest: str
-
-
-def plan_note(plan: LoadPlan, node: str) -> PlanNote:
-    """This rank's note (computed by every rank, in parallel: O(its items))."""
-    keys = sorted((req.storage_index.fqn, tuple(req.storage_index.offset or ())) for req in plan.items)
-    return PlanNote(node, hashlib.blake2b(repr(keys).encode(), digest_size=16).hexdigest())
-
-
-def assign_shared_reads(plans: list[LoadPlan], metadata: Metadata, budget: int = SHARED_BYTES_MAX) -> list[LoadPlan]:
-    """Every rank's plan with the shared reads attached (unchanged when no item is read twice).
-    Ranks whose notes say they read the same items are one group, whose items are gone through
-    once; then O(log ranks) per item: at 16,384 DDP ranks the coordinator does no ranks x items
-    work (DCP's gather of the plans does it once already)."""
-    infos = metadata.storage_data
-    groups: dict[object, list[int]] = {}
-    for rank, plan in enumerate(plans):
-        note = plan.storage_data
-        groups.setdefault(note.items_digest if isinstance(note, PlanNote) else ("rank", rank), []).append(rank)
-    readers_of: dict[tuple[str, int, int], list[list[int]]] = {}
-    for ranks in groups.values():
-        seen = set()
-        for req in plans[ranks[0]].items:
-            info = infos[req.storage_index]
-            key = (info.relative_path, info.offset, info.length)
-            if key not in seen:  # (a rank may read one stored item into two places)
-                seen.add(key)
-                readers_of.setdefault(key, []).append(ranks)
-    load: dict[int, int] = {}  # bytes each rank reads for others so far
-    sets: dict[tuple[int, ...], Ranks] = {}
-    heaps: dict[tuple[int, ...], list[tuple[int, int]]] = {}  # per set of members: (its load when pushed, rank)
-    shared: list[SharedItem] = []
-    held = 0
-    for (path, offset, length), readers in sorted(readers_of.items(), key=lambda kv: -kv[0][2]):
-        members = tuple(readers[0]) if len(readers) == 1 else tuple(sorted(r for ranks in readers for r in ranks))
-        if len(members) < 2 or held + length > budget:
-            continue
-        if members not in sets:
-            sets[members] = _compact(members)
-            heaps[members] = [(load.get(r, 0), r) for r in members]
-            heapq.heapify(heaps[members])
-        reader = _least_loaded(heaps[members], load)  # spread: ~1/k of the bytes each
-        load[reader] = load.get(reader, 0) + length
-        heapq.heappush(heaps[members], (load[reader], reader))
-        held += length
-        shared.append(SharedItem(path, offset, length, reader, sets[members]))
-    if not shared:
-        return plans
-    shares = ReadShares(tuple(sorted(shared, key=lambda s: (s.relative_path, s.offset))), _node_runs(plans),
-                        uuid.uuid4().hex[:12])
-    return [replace(plan, storage_data=shares) for plan in plans]
-
-
-def _least_loaded(heap: list[tuple[int, int]], load: dict[int, int]) -> int:
-    """The rank of the set with the fewest bytes read for others (the lowest rank among equals);
-    an entry whose load changed since (the rank read for another set) is pushed again, current."""
-    while True:
-        seen, rank = heapq.heappop(heap)
-        if seen == load.get(rank, 0):
-            return rank
-        heapq.heappush(heap, (load.get(rank, 0), rank))
-
-
-def _compact(members: tuple[int, ...]) -> Ranks:
-    """A range when the ranks are evenly spaced (a few bytes pickled, not one per rank)."""
-    step = members[1] - members[0]
-    if step > 0 and all(b - a == step for a, b in zip(members, members[1:])):
-        return range(members[0], members[-1] + 1, step)
-    return members
-
-
-def _node_runs(plans: list[LoadPlan]) -> tuple[tuple[int, int], ...]:
-    """Every rank's node (what its local plan said: node_share.node_key) as runs of consecutive
-    ranks on one node, the nodes numbered; "" (no shared memory) is -1."""
-    numbers: dict[str, int] = {}
-    runs: list[tuple[int, int]] = []
-    for rank, plan in enumerate(plans):
-        key = plan.storage_data.node if isinstance(plan.storage_data, PlanNote) else ""
-        node = numbers.setdefault(key, len(numbers)) if key else -1
-        if not runs or runs[-1][1] != node:
-            runs.append((rank, node))
-    return tuple(runs)
+from .read_shares import ReadShares, SharedItem
 
 
 @dataclass(frozen=True)
@@ -212,37 +61,44 @@ def share_reads(
     payload = None
     if mine and shares.local_receivers(me):
         payload = MemoryPayload.create(payload_name(shares.nonce, me, os.getpid()), sum(item.length for item in mine))
+    # an item with a checksum in the sidecar is checked by its reader, in the memory it read it into
+    checked_by_reader = lambda item: checksum is not None and expected_crc(item) is not None  # noqa: E731
     try:
-        outcome, got = ReadOutcome(in_memory=payload is not None, pid=os.getpid()), {}
+        outcome, got, crcs = ReadOutcome(in_memory=payload is not None, pid=os.getpid()), {}, {}
         try:
             got = _read_own(mine, files, source, expected_crc, checksum, payload, where)
-            outcome = replace(outcome, crcs=tuple(crc32c(got[item]) for item in mine))
+            crcs = {item: 0 if checked_by_reader(item) else crc32c(got[item]) for item in mine}  # (for the receivers)
+            outcome = replace(outcome, crcs=tuple(crcs[item] for item in mine))
         except CheckpointError as exc:
             outcome = replace(outcome, error=str(exc))
         told = _exchange(group, outcome)
         _raise_failures(group, [t.error for t in told])
-        checked_later = lambda item: checksum is not None and expected_crc(item) is not None  # noqa: E731 (the load checks the sidecar's)
+        # what this rank copies from the very memory its reader checked, the load need not check again
+        checked = {item for item in mine if checked_by_reader(item)}
         problems = []
         by_memory: dict[int, list[SharedItem]] = {}  # inside this node first (no rank waits on another for
         for members, reader, items in shares.rounds():  # them), each reader's payload mapped once
             if told[reader].in_memory and me != reader and me in members and shares.same_node(me, reader):
                 by_memory.setdefault(reader, []).extend(items)
         for reader, items in by_memory.items():
-            _receive(got, problems, lambda: _from_memory(shares, reader, told[reader], items, checked_later))
+            if _receive(got, problems, lambda: _from_memory(shares, reader, told[reader], items, checked_by_reader)):
+                checked.update(item for item in items if checked_by_reader(item))
         for members, reader, items in shares.rounds():  # then other nodes (and readers without a payload)
-            by_gloo = lambda m: not (told[reader].in_memory and shares.same_node(m, reader))  # noqa: E731
+            def on_its_node(m: int, reader: int = reader) -> bool:  # through its payload, or the page cache
+                return shares.reads_itself(m, reader) or (told[reader].in_memory and shares.same_node(m, reader))
             if me == reader:
-                to = tuple(m for m in members if m != reader and by_gloo(m))
+                to = tuple(m for m in members if m != reader and not on_its_node(m))
                 if to:
-                    _send_round(items, reader, got, group, to)
-            elif me in members and by_gloo(me):
-                _receive(got, problems, lambda: _receive_round(items, reader, group, checked_later))
+                    _send_round(items, got, crcs, group, to)
+            elif me in members and not on_its_node(me):  # (sent over the network: the load checks them again)
+                _receive(got, problems, lambda: _receive_round(items, reader, group, checked_by_reader))
         # a damaged item stops every rank (none waits on this one in a later round); the payload files may go now
         _raise_failures(group, [t.error for t in _exchange(group, ReadOutcome("; ".join(problems) or None))])
     finally:
         if payload is not None:
             payload.remove()
-    return SharedSource(source, {(files[item.relative_path], item.offset): data for item, data in got.items()})
+    return SharedSource(source, {(files[item.relative_path], item.offset): data for item, data in got.items()},
+                        frozenset((files[item.relative_path], item.offset, item.length) for item in checked))
 
 
 def _read_own(items, files, source, expected_crc, checksum, payload: Optional[MemoryPayload],
@@ -267,9 +123,9 @@ def _read_own(items, files, source, expected_crc, checksum, payload: Optional[Me
 
 
 def _from_memory(shares: ReadShares, reader: int, told: ReadOutcome, items: list[SharedItem],
-                 checked_later: Callable[[SharedItem], bool]) -> dict:
-    """`items` from the payload of `reader` (a rank of this node), each checked: its
-    length, and its CRC32C unless the load checks the sidecar's checksum of it anyway."""
+                 checked_by_reader: Callable[[SharedItem], bool]) -> dict:
+    """`items` from the payload of `reader` (a rank of this node), each checked: its length,
+    and its CRC32C unless the reader checked the sidecar's checksum of these very bytes."""
     order, where = shares.layout(reader)
     path, crcs = payload_name(shares.nonce, reader, told.pid), told.crcs
     try:
@@ -280,7 +136,7 @@ def _from_memory(shares: ReadShares, reader: int, told: ReadOutcome, items: list
     out = {}
     for item in items:
         data = view[where[item]:where[item] + item.length]
-        _check(item, data, crc_of[item], checked_later, f"read by rank {reader} (in {path})")
+        _check(item, data, crc_of[item], checked_by_reader, f"read by rank {reader} (in {path})")
         out[item] = data
     return out
 
@@ -289,25 +145,29 @@ class Damaged(CheckpointError):
     """An item another rank read arrived with another length or CRC32C."""
 
 
-def _receive(got: dict, problems: list[str], receive: Callable[[], dict]) -> None:
-    """`receive()`'s items into `got`; a damaged one into `problems` (this rank goes on taking
-    part in the other rounds, and the last exchange stops every rank)."""
+def _receive(got: dict, problems: list[str], receive: Callable[[], dict]) -> bool:
+    """`receive()`'s items into `got` (True); a damaged one into `problems` (False: this rank goes
+    on taking part in the other rounds, and the last exchange stops every rank)."""
     try:
         got.update(receive())
+        return True
     except Damaged as exc:
         problems.append(str(exc))
+        return False
 
 
-def _check(item: SharedItem, data, crc: Optional[int], checked_later: Callable[[SharedItem], bool], whence: str) -> None:
-    if len(data) != item.length or (not checked_later(item) and crc32c(data) != crc):
+def _check(item: SharedItem, data, crc: Optional[int], skip_crc: Callable[[SharedItem], bool],
+           whence: str) -> None:
+    if len(data) != item.length or (not skip_crc(item) and crc32c(data) != crc):
         raise Damaged(f"{item.relative_path}: bytes {item.offset}..{item.offset + item.length} {whence} arrived damaged")
 
 
-def _send_round(items, reader, got, group: LoadGroup, to: tuple[int, ...]) -> None:
+def _send_round(items, got, crcs: dict, group: LoadGroup, to: tuple[int, ...]) -> None:
     """The reader's side of a round to ranks `to` (of other nodes): point to point over the load's
-    gloo group (no group is made for them), the items' CRC32Cs, then their bytes."""
+    gloo group (no group is made for them), the items' CRC32Cs (0 where the load checks the
+    sidecar's), then their bytes."""
     total = sum(item.length for item in items)
-    crcs = torch.tensor([crc32c(got[item]) for item in items], dtype=torch.int64)
+    crc_values = torch.tensor([crcs[item] for item in items], dtype=torch.int64)
     payload = torch.empty(max(total, 1), dtype=torch.uint8)
     view, at = memoryview(payload.numpy()), 0
     for item in items:
@@ -316,7 +176,7 @@ def _send_round(items, reader, got, group: LoadGroup, to: tuple[int, ...]) -> No
 
     def send() -> None:
         sent = [dist.isend(tensor, dst=dist.get_global_rank(group.pg, r), group=group.pg)
-                for r in to for tensor in ((crcs, payload) if total else (crcs,))]
+                for r in to for tensor in ((crc_values, payload) if total else (crc_values,))]
         for work in sent:
             work.wait()
     _collective(send, group)
@@ -324,7 +184,7 @@ def _send_round(items, reader, got, group: LoadGroup, to: tuple[int, ...]) -> No
 
 def _receive_round(items, reader, group: LoadGroup, checked_later: Callable[[SharedItem], bool]) -> dict:
     """A receiver's side of `_send_round`: each item checked, its length and its CRC32C (unless
-    the load checks the sidecar's checksum of it anyway)."""
+    the load checks the sidecar's checksum of the bytes received anyway)."""
     total = sum(item.length for item in items)
     src = dist.get_global_rank(group.pg, reader)
     crcs = torch.zeros(len(items), dtype=torch.int64)

@@ -29,7 +29,8 @@ from .opened import OpenCheckpoint, open_checkpoint, opened_with, read_metadata
 from .reader import ItemRead, fetch_items, place_items
 from .broadcast import LoadGroup
 from .node_share import node_key
-from .replicated import ReadShares, SharedItem, assign_shared_reads, failures_told, plan_note, share_reads
+from .read_shares import ReadShares, SharedItem, assign_shared_reads, plan_note
+from .replicated import failures_told, share_reads
 from .ring import check_ring_bytes
 from .safety import (
     TRUST_HINT, check_ranges, load_object, load_tensor, raw_tensor, refused_globals, refused_objects_text,
@@ -150,7 +151,7 @@ class SafeReader(StorageReader):
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         if self.shared_by is not None:  # resume at scale: items several ranks read, read once (replicated.py)
-            return assign_shared_reads(plans, self.metadata)
+            return assign_shared_reads(plans, self.metadata, page_cache=self.page_cache_shared())
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
@@ -176,6 +177,9 @@ class SafeReader(StorageReader):
         if shares is not None and self.shared_by is not None:  # resume at scale: read once, broadcast (replicated.py)
             source = share_reads(shares, self.shared_by, files, source, self._expected_crc,
                                  sidecar.checksum if sidecar is not None else None)
+            for item in items:  # checked by the rank that read them, in the memory this rank copies them from
+                if (item.path, item.start, item.length) in source.checked:
+                    item.expected_crc = None
         objects = [item for item in items if item.req.type == LoadItemType.BYTE_IO]
         unread = items
         if objects and not self.trusted:  # read apart, first: nothing of the state is written yet
@@ -188,6 +192,12 @@ class SafeReader(StorageReader):
         done: Future = Future()
         done.set_result(None)
         return done
+
+    def page_cache_shared(self) -> bool:
+        """Whether the ranks of one node read this checkpoint through one page cache (a local or
+        network file system, not an object store): they read a shared item themselves, the
+        node's storage reads done once by the cache (read_shares.ReadShares.reads_itself)."""
+        return isinstance(self.opened.storage, LocalStorage)
 
     def _expected_crc(self, item: SharedItem) -> Optional[int]:
         return self.checksums.get((item.relative_path, item.offset, item.length))

@@ -1,9 +1,13 @@
 """The 4-rank DDP restart rows of bench_load.py: every rank loads the whole checkpoint, shared
-(asyncckpt.load with the job's process group: `.metadata` and every item read from storage by one
-rank, sent to the others over gloo) against every rank reading on its own (`no_dist=True`), taken
-in turns in one run of the same ranks. Figures: seconds from a barrier to the last rank done
-(median of the rounds), and the storage bytes all ranks read together over the checkpoint's size
-(counted in each rank at the reader's positional reads and the storage's whole-file reads)."""
+(asyncckpt.load with the job's process group: `.metadata` read by one rank, each item by one rank
+for the ranks of other nodes; on one node with a file system the ranks read through the page
+cache, on an object store through the reader's /dev/shm file) against every rank reading on its
+own (`no_dist=True`), taken in turns in one run of the same ranks. Figures: seconds from a barrier
+to the last rank done (median of the rounds); the bytes all ranks asked the storage for together
+over the checkpoint's size (counted in each rank at the reader's positional reads and the
+storage's whole-file reads: above the page cache); and, cold, the bytes the ranks' reads fetched
+from the disk (/proc/self/io read_bytes, summed over the ranks: below the page cache). With an
+s3:// checkpoint (--s3), warm only, every byte asked for is a GET."""
 
 from __future__ import annotations
 
@@ -30,19 +34,23 @@ class DdpRow:
     cold_s: Optional[float]
     warm_s: Optional[float]
     bytes_over_checkpoint: float  # storage bytes all ranks read / the checkpoint's item bytes
+    disk_over_checkpoint: Optional[float] = None  # cold: bytes fetched from the disk / the checkpoint's
 
 
 def _count_reads(counts: dict) -> None:
     from asyncckpt.loading.byte_sources import LocalFiles
     from asyncckpt.storage.local import LocalStorage
+    from asyncckpt.storage.msc import MscStorage
 
-    read_bytes, read, read_into = LocalStorage.read_bytes, LocalFiles.read, LocalFiles.read_into
+    def counting(read_bytes):
+        def counted_read_bytes(storage, path, offset=0, length=None):
+            data = read_bytes(storage, path, offset, length)
+            if not path.endswith("latest"):
+                counts["bytes"] += len(data)
+            return data
+        return counted_read_bytes
 
-    def counted_read_bytes(storage, path, offset=0, length=None):
-        data = read_bytes(storage, path, offset, length)
-        if not path.endswith("latest"):
-            counts["bytes"] += len(data)
-        return data
+    read, read_into = LocalFiles.read, LocalFiles.read_into
 
     def counted_read(source, path, offset, n):
         data = read(source, path, offset, n)
@@ -53,7 +61,18 @@ def _count_reads(counts: dict) -> None:
         counts["bytes"] += sum(len(b) for b in buffers)
         return read_into(source, path, offset, buffers, what)
 
-    LocalStorage.read_bytes, LocalFiles.read, LocalFiles.read_into = counted_read_bytes, counted_read, counted_read_into
+    LocalStorage.read_bytes = counting(LocalStorage.read_bytes)
+    LocalFiles.read, LocalFiles.read_into = counted_read, counted_read_into
+    MscStorage.read_bytes = counting(MscStorage.read_bytes)
+
+
+def _disk_bytes() -> Optional[int]:
+    """What this process's reads fetched from the storage layer so far (None where not told)."""
+    try:
+        with open("/proc/self/io") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("read_bytes:"))
+    except (OSError, StopIteration, ValueError):
+        return None
 
 
 def _target(path: str) -> dict:
@@ -85,51 +104,70 @@ def _rank(rank: int, world: int, store: str, path: str, rounds: int, out: str) -
     target = _target(path)
     times: dict[str, dict[str, list[float]]] = {m: {"cold": [], "warm": []} for m in MODES}
     read: dict[str, list[int]] = {m: [] for m in MODES}
+    disk: dict[str, list[Optional[int]]] = {m: [] for m in MODES}  # cold loads only
     loads = {MODES[0]: lambda: asyncckpt.load(target, path, no_dist=True), MODES[1]: lambda: asyncckpt.load(target, path)}
+    local = "://" not in path
     for _ in range(rounds):
-        for mode in ("cold", "warm"):
+        for mode in ("cold", "warm") if local else ("warm",):
             for method, load in loads.items():
                 if mode == "cold" and rank == 0:
                     _drop_cache(path)
                 dist.barrier()
-                counts["bytes"] = 0
+                counts["bytes"], disk_before = 0, _disk_bytes()
                 started = time.perf_counter()
                 load()
                 elapsed = torch.tensor([time.perf_counter() - started], dtype=torch.float64)
+                disk_after = _disk_bytes()
                 dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the job restarts when its last rank did
                 times[method][mode].append(float(elapsed))
                 read[method].append(counts["bytes"])
+                if mode == "cold":
+                    disk[method].append(None if disk_before is None or disk_after is None else disk_after - disk_before)
     totals = [None] * world
-    dist.all_gather_object(totals, read)
+    dist.all_gather_object(totals, (read, disk))
     if rank == 0:
+        def summed(which: int, method: str) -> list:
+            rows = [t[which][method] for t in totals]
+            return [None if any(r[i] is None for r in rows) else sum(r[i] for r in rows) for i in range(len(rows[0]))]
         with open(out, "w") as f:
-            json.dump({"times": times, "read": {m: [sum(t[m][i] for t in totals) for i in range(len(read[m]))] for m in MODES}}, f)
+            json.dump({"times": times, "read": {m: summed(0, m) for m in MODES}, "disk": {m: summed(1, m) for m in MODES}}, f)
     dist.barrier()
     dist.destroy_process_group()
 
 
-def ddp_rows(path: str, ranks: int = 4, rounds: int = 3) -> list[DdpRow]:
-    """Run `ranks` gloo ranks loading the checkpoint at `path`, both ways, in turns."""
+def ddp_rows(path: str, ranks: int = 4, rounds: int = 3, stored_at: Optional[str] = None) -> list[DdpRow]:
+    """Run `ranks` gloo ranks loading the checkpoint at `stored_at` (default `path`, its local
+    copy: an s3:// URL loads warm only), both ways, in turns."""
     from asyncckpt.loading.opened import open_checkpoint
 
     stored = sum(info.length for info in open_checkpoint(path).metadata.storage_data.values())
+    where = stored_at or path
     work = tempfile.mkdtemp(prefix="bench_load-ddp-")
     try:
         out = os.path.join(work, "out.json")
-        mp.start_processes(_rank, args=(ranks, os.path.join(work, "store"), path, rounds, out), nprocs=ranks,
+        mp.start_processes(_rank, args=(ranks, os.path.join(work, "store"), where, rounds, out), nprocs=ranks,
                            start_method="spawn")
         with open(out) as f:
             found = json.load(f)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+    def median(values: list) -> Optional[float]:
+        return statistics.median(values) if values and None not in values else None
+    on = " (s3)" if "://" in where else ""
     return [
-        DdpRow(f"{ranks}-rank DDP restart, {method}", ranks, statistics.median(found["times"][method]["cold"]),
-               statistics.median(found["times"][method]["warm"]), max(found["read"][method]) / stored)
+        DdpRow(f"{ranks}-rank DDP restart{on}, {method}", ranks, median(found["times"][method]["cold"]),
+               median(found["times"][method]["warm"]), max(found["read"][method]) / stored,
+               None if median(found["disk"][method]) is None else median(found["disk"][method]) / stored)
         for method in MODES
     ]
 
 
 def render(rows: list[DdpRow]) -> str:
-    lines = ["| restart | cold s | warm s | storage bytes / checkpoint |", "|---|---:|---:|---:|"]
-    lines += [f"| {r.method} | {r.cold_s:.3f} | {r.warm_s:.3f} | {r.bytes_over_checkpoint:.2f}x |" for r in rows]
+    def shown(value: Optional[float], unit: str = "") -> str:
+        return "-" if value is None else f"{value:.3f}" if not unit else f"{value:.2f}{unit}"
+    lines = ["| restart | cold s | warm s | bytes asked of storage / checkpoint | cold: disk bytes / checkpoint |",
+             "|---|---:|---:|---:|---:|"]
+    lines += [f"| {r.method} | {shown(r.cold_s)} | {shown(r.warm_s)} | {shown(r.bytes_over_checkpoint, 'x')} | "
+              f"{shown(r.disk_over_checkpoint, 'x')} |" for r in rows]
     return "\n".join(lines)

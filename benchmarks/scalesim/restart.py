@@ -5,7 +5,7 @@ Stock dcp.load: every rank reads and unpickles `.metadata` itself (FileSystemRea
 N reads of the file from storage; the ranks' load plans are gathered and sent back unchanged
 (`create_default_global_load_plan`). asyncckpt: rank 0 reads and checks it and sends its bytes to
 the others (loading/broadcast.py), which unpickle them (one read from storage); the coordinator
-also finds the items several ranks read (loading/replicated.assign_shared_reads, with every rank's
+also finds the items several ranks read (loading/read_shares.assign_shared_reads, with every rank's
 node) and every plan carries that verdict. Each rank's load plan is fabricated as DCP would make
 it for the rank that saved it (the same world): a ReadItem per item of its local save plan (DDP:
 every item). No tensor is read.
@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadIte
 
 from asyncckpt.layout import METADATA_FILE
 from asyncckpt.loading.opened import opened_from_bytes
-from asyncckpt.loading.replicated import assign_shared_reads, plan_note
+from asyncckpt.loading.read_shares import assign_shared_reads, plan_note
 from asyncckpt.storage import storage_for
 
 from .report import fit

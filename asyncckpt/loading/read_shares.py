@@ -1,0 +1,188 @@
+"""Resume at scale, the coordinator's part: which ranks read which stored items for the others.
+
+DCP's global plan step (`SafeReader.prepare_global_plan`) gives the coordinator every rank's load
+plan; an item (file, offset, length) several ranks read is *shared*: one of them reads it for the
+others (replicated.py moves the bytes). The verdict rides on every rank's plan, so it must stay
+small at any rank count.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import heapq
+import sys
+import uuid
+from dataclasses import dataclass, replace
+from typing import Optional
+
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import LoadPlan
+
+
+SHARED_BYTES_MAX = 4 << 30  # host memory a load may hold shared bytes in, per rank
+
+
+Ranks = range | tuple[int, ...]  # (a range where the ranks are evenly spaced: DDP's all, HSDP's replicas)
+
+
+@dataclass(frozen=True)
+class SharedItem:
+    """One stored item several ranks read: its bytes in its file, who reads it from storage."""
+
+    relative_path: str
+    offset: int
+    length: int
+    reader: int  # the rank of the load's group that reads it
+    members: Ranks  # every rank of the group that needs it (the reader among them); one object per set
+
+
+@dataclass(frozen=True)
+class ReadShares:
+    """The coordinator's verdict, sent to every rank with its plan (`LoadPlan.storage_data`):
+    the shared items, every rank's node and the load's id (it names the readers' files in shared
+    memory). Its size does not grow with ranks x items: each set of members is one object (a
+    range where it can be), which every item refers to, and the nodes are runs of consecutive
+    ranks (`node_runs`: (first rank, node number); -1: a rank that shares no memory)."""
+
+    items: tuple[SharedItem, ...]
+    node_runs: tuple[tuple[int, int], ...] = ()
+    nonce: str = ""
+    page_cache: bool = False  # a file system: the ranks of a node read their reader's items themselves
+
+    def node(self, rank: int) -> int:
+        at = bisect.bisect_right(self.node_runs, (rank, sys.maxsize)) - 1
+        return self.node_runs[at][1] if at >= 0 else -1
+
+    def same_node(self, a: int, b: int) -> bool:
+        node = self.node(a)
+        return node >= 0 and node == self.node(b)
+
+    def layout(self, reader: int) -> tuple[list[SharedItem], dict[SharedItem, int]]:
+        """The items `reader` reads, in order, and where each lies in its payload."""
+        items = [item for item in self.items if item.reader == reader]
+        at, where = 0, {}
+        for item in items:
+            where[item] = at
+            at += item.length
+        return items, where
+
+    def reads_itself(self, rank: int, reader: int) -> bool:
+        """Whether `rank` reads the items of `reader` from storage itself: the ranks of one node
+        read a file system through the node's page cache, which reads the storage once for them
+        all (each rank copying and checking from the cache is cheaper than any hand-over)."""
+        return self.page_cache and rank != reader and self.same_node(rank, reader)
+
+    def local_receivers(self, reader: int) -> bool:
+        if self.page_cache:
+            return False
+        sets = {id(item.members): item.members for item in self.items if item.reader == reader}
+        return any(m != reader and self.same_node(m, reader) for members in sets.values() for m in members)
+
+    def rounds(self) -> list[tuple[Ranks, int, list[SharedItem]]]:
+        """(members, reader, its items) in the order every rank runs them (the items' order)."""
+        grouped: dict[tuple[Ranks, int], list[SharedItem]] = {}
+        for item in self.items:
+            grouped.setdefault((item.members, item.reader), []).append(item)
+        return [(members, reader, items) for (members, reader), items in grouped.items()]
+
+
+@dataclass(frozen=True)
+class PlanNote:
+    """What each rank's local plan tells the coordinator (`LoadPlan.storage_data`): its node
+    (node_share.node_key) and a digest of the stored items it reads, so that ranks reading the
+    same items (DDP: all of them) are one group, whose items the coordinator goes through once."""
+
+    node: str
+    items_digest: str
+
+
+def plan_note(plan: LoadPlan, node: str) -> PlanNote:
+    """This rank's note (computed by every rank, in parallel: O(its items))."""
+    keys = sorted((req.storage_index.fqn, tuple(req.storage_index.offset or ())) for req in plan.items)
+    return PlanNote(node, hashlib.blake2b(repr(keys).encode(), digest_size=16).hexdigest())
+
+
+def assign_shared_reads(plans: list[LoadPlan], metadata: Metadata, budget: int = SHARED_BYTES_MAX,
+                        page_cache: bool = False) -> list[LoadPlan]:
+    """Every rank's plan with the shared reads attached (unchanged when no item is read twice).
+    Ranks whose notes say they read the same items are one group, whose items are gone through
+    once; then O(log ranks) per item: at 16,384 DDP ranks the coordinator does no ranks x items
+    work (DCP's gather of the plans does it once already). `page_cache`: the checkpoint is on a
+    file system, whose page cache the ranks of a node share (`ReadShares.reads_itself`): an item
+    only ranks of one node read is not shared."""
+    infos = metadata.storage_data
+    shares = ReadShares((), _node_runs(plans), uuid.uuid4().hex[:12], page_cache)
+    groups: dict[object, list[int]] = {}
+    for rank, plan in enumerate(plans):
+        note = plan.storage_data
+        groups.setdefault(note.items_digest if isinstance(note, PlanNote) else ("rank", rank), []).append(rank)
+    readers_of: dict[tuple[str, int, int], list[list[int]]] = {}
+    for ranks in groups.values():
+        seen = set()
+        for req in plans[ranks[0]].items:
+            info = infos[req.storage_index]
+            key = (info.relative_path, info.offset, info.length)
+            if key not in seen:  # (a rank may read one stored item into two places)
+                seen.add(key)
+                readers_of.setdefault(key, []).append(ranks)
+    load: dict[int, int] = {}  # bytes each rank reads for others so far
+    sets: dict[tuple[int, ...], Optional[Ranks]] = {}
+    heaps: dict[tuple[int, ...], list[tuple[int, int]]] = {}  # per set of members: (its load when pushed, rank)
+    shared: list[SharedItem] = []
+    held = 0
+    for (path, offset, length), readers in sorted(readers_of.items(), key=lambda kv: -kv[0][2]):
+        members = tuple(readers[0]) if len(readers) == 1 else tuple(sorted(r for ranks in readers for r in ranks))
+        if len(members) < 2 or held + length > budget:
+            continue
+        if members not in sets:
+            one_node = page_cache and _one_node(members, shares)
+            sets[members] = None if one_node else _compact(members)  # (None: they read it through their page cache)
+            heaps[members] = [(load.get(r, 0), r) for r in members]
+            heapq.heapify(heaps[members])
+        if sets[members] is None:
+            continue
+        reader = _least_loaded(heaps[members], load)  # spread: ~1/k of the bytes each
+        load[reader] = load.get(reader, 0) + length
+        heapq.heappush(heaps[members], (load[reader], reader))
+        held += length
+        shared.append(SharedItem(path, offset, length, reader, sets[members]))
+    if not shared:
+        return plans
+    shares = replace(shares, items=tuple(sorted(shared, key=lambda s: (s.relative_path, s.offset))))
+    return [replace(plan, storage_data=shares) for plan in plans]
+
+
+def _one_node(members: tuple[int, ...], shares: ReadShares) -> bool:
+    return all(shares.same_node(members[0], m) for m in members[1:])
+
+
+def _least_loaded(heap: list[tuple[int, int]], load: dict[int, int]) -> int:
+    """The rank of the set with the fewest bytes read for others (the lowest rank among equals);
+    an entry whose load changed since (the rank read for another set) is pushed again, current."""
+    while True:
+        seen, rank = heapq.heappop(heap)
+        if seen == load.get(rank, 0):
+            return rank
+        heapq.heappush(heap, (load.get(rank, 0), rank))
+
+
+def _compact(members: tuple[int, ...]) -> Ranks:
+    """A range when the ranks are evenly spaced (a few bytes pickled, not one per rank)."""
+    step = members[1] - members[0]
+    if step > 0 and all(b - a == step for a, b in zip(members, members[1:])):
+        return range(members[0], members[-1] + 1, step)
+    return members
+
+
+def _node_runs(plans: list[LoadPlan]) -> tuple[tuple[int, int], ...]:
+    """Every rank's node (what its local plan said: node_share.node_key) as runs of consecutive
+    ranks on one node, the nodes numbered; "" (no shared memory) is -1."""
+    numbers: dict[str, int] = {}
+    runs: list[tuple[int, int]] = []
+    for rank, plan in enumerate(plans):
+        key = plan.storage_data.node if isinstance(plan.storage_data, PlanNote) else ""
+        node = numbers.setdefault(key, len(numbers)) if key else -1
+        if not runs or runs[-1][1] != node:
+            runs.append((rank, node))
+    return tuple(runs)
