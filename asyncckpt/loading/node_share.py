@@ -40,9 +40,10 @@ def node_key() -> str:
 PAYLOAD_PREFIX = "asyncckpt-load-"
 
 
-def payload_name(nonce: str, reader: int, pid: int) -> str:
-    """The payload file of rank `reader` (process `pid`) of the load `nonce`."""
-    return os.path.join(SHM_DIR, f"{PAYLOAD_PREFIX}{nonce}-r{reader}-p{pid}")
+def payload_name(nonce: str, rank: int, pid: int, kind: str = "r") -> str:
+    """The payload file of rank `rank` (process `pid`) of the load `nonce`: "r", the items it
+    read; "relay", those it received for the ranks of its node."""
+    return os.path.join(SHM_DIR, f"{PAYLOAD_PREFIX}{nonce}-{kind}{rank}-p{pid}")
 
 
 def remove_stale_payloads() -> None:

@@ -14,6 +14,7 @@ import heapq
 import sys
 import uuid
 from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import Optional
 
 from torch.distributed.checkpoint.metadata import Metadata
@@ -85,6 +86,44 @@ class ReadShares:
         for item in self.items:
             grouped.setdefault((item.members, item.reader), []).append(item)
         return [(members, reader, items) for (members, reader), items in grouped.items()]
+
+    def relay(self, members: Ranks, reader: int, rank: int) -> Optional[int]:
+        """The rank of `rank`'s node that receives the round's items (`members`, `reader`) from
+        the reader's node for the ranks of its own node, which then map them from its /dev/shm
+        file: a node receives them once, not once per rank. None: `rank` receives its own (the
+        reader's node, a rank without shared memory, or the node's only member). The node's
+        members take turns by reader (readers are spread over the ranks)."""
+        node = self.node(rank)
+        if node < 0 or node == self.node(reader):
+            return None
+        on_node = self.node_members(members, node)
+        return on_node[reader % len(on_node)] if len(on_node) >= 2 else None
+
+    def relayed(self, rank: int) -> list[SharedItem]:
+        """The items `rank` relays to its node, in the order they lie in its relay file."""
+        return [item for members, reader, items in self.rounds()
+                if rank in members and self.relay(members, reader, rank) == rank for item in items]
+
+    def node_members(self, members: Ranks, node: int) -> list[int]:
+        """The ranks of `members` on `node`: O(the node's runs of ranks), not O(members)."""
+        out: list[int] = []
+        for lo, hi in self._spans_of_nodes.get(node, ()):
+            if isinstance(members, range):  # (a step > 0: `_compact`)
+                first = max(0, -(-(lo - members.start) // members.step))
+                last = min(len(members), max(0, -(-(hi - members.start) // members.step)))
+                out.extend(members[first:last])
+            else:  # (sorted)
+                out.extend(members[bisect.bisect_left(members, lo):bisect.bisect_left(members, hi)])
+        return out
+
+    @cached_property
+    def _spans_of_nodes(self) -> dict[int, list[tuple[int, int]]]:
+        """node -> its runs of ranks as [first, end) (the last run ends past any rank)."""
+        spans: dict[int, list[tuple[int, int]]] = {}
+        for at, (first, node) in enumerate(self.node_runs):
+            end = self.node_runs[at + 1][0] if at + 1 < len(self.node_runs) else sys.maxsize
+            spans.setdefault(node, []).append((first, end))
+        return spans
 
 
 @dataclass(frozen=True)

@@ -4,13 +4,14 @@ With DDP every rank loads the same full tensors; with HSDP every rank of a repli
 same shards: the same (file, offset, length) read by k ranks is k times the storage traffic.
 The coordinator sees every rank's load plan (DCP's global plan step, read_shares.py): an item
 read by several ranks is *shared* by them; one of them, chosen so each reads about 1/k of the
-bytes, reads it (checking its checksum) and broadcasts it to the
-others, which check each item's length and CRC32C (and the sidecar's checksum when they have
-it): to those of other nodes point to point over gloo; to the ranks of its own node through a
-file in shared memory (node_share.py) on an object store, while on a file system they read it
+bytes, reads it (checking its checksum) and hands it to the others. To other nodes: point to
+point over gloo, once per node (to one of its ranks, the relay, which checks it and hands it to
+the others of its node through a file in shared memory). To the ranks of its own node: through
+a file in shared memory (node_share.py) on an object store, while on a file system they read it
 themselves, through the page cache their node shares (`ReadShares.reads_itself`: the storage is
-read once per node, and copying from the cache is cheaper than any hand-over). No user flag:
-the plans say which ranks read what.
+read once per node, and copying from the cache is cheaper than any hand-over). Receivers check
+each item's length and CRC32C (or the load checks the sidecar's checksum). No user flag: the
+plans say which ranks read what.
 
 Then every rank loads as before through `SharedSource`, which serves the shared items' bytes
 from memory and passes any other read to the storage. The shared bytes are held in host memory
@@ -44,27 +45,33 @@ class ReadOutcome:
 
     error: Optional[str] = None
     in_memory: bool = False  # its items are in its payload file (node_share.py) for the ranks of its node
-    pid: int = 0  # (the payload file's name holds it: a file whose process is gone is removed later)
+    pid: int = 0  # (the payload files' names hold it: a file whose process is gone is removed later)
     crcs: tuple[int, ...] = ()  # CRC32C of each item it read, in `ReadShares.layout` order
+    relaying: bool = False  # it has a relay file for the items it receives for its node (ReadShares.relay)
 
 
 def share_reads(
     shares: ReadShares, group: LoadGroup, files: dict[str, str], source: ByteSource,
     expected_crc: Callable[[SharedItem], Optional[int]], checksum: Optional[Callable[[bytes], int]],
 ) -> "SharedSource":
-    """Read this rank's share of the shared items, hand every share to its ranks (through shared
-    memory inside a node, gloo between nodes), and return a source serving the items this rank
-    needs from memory. A collective over `group`: every rank calls it with the same `shares`.
-    Nothing of the caller's state is written here."""
-    me = group.rank
+    """Read this rank's share of the shared items, hand every share to its ranks (inside a node
+    through shared memory or the page cache, between nodes over gloo: to one rank of each node,
+    which hands them to its node through shared memory), and return a source serving the items
+    this rank needs from memory. A collective over `group`: every rank calls it with the same
+    `shares`. Nothing of the caller's state is written here."""
+    me, pid = group.rank, os.getpid()
     mine, where = shares.layout(me)
-    payload = None
+    relayed = shares.relayed(me)
+    payload = relay_file = None
     if mine and shares.local_receivers(me):
-        payload = MemoryPayload.create(payload_name(shares.nonce, me, os.getpid()), sum(item.length for item in mine))
+        payload = MemoryPayload.create(payload_name(shares.nonce, me, pid), sum(item.length for item in mine))
+    if relayed:
+        relay_file = MemoryPayload.create(payload_name(shares.nonce, me, pid, "relay"), sum(i.length for i in relayed))
     # an item with a checksum in the sidecar is checked by its reader, in the memory it read it into
     checked_by_reader = lambda item: checksum is not None and expected_crc(item) is not None  # noqa: E731
     try:
-        outcome, got, crcs = ReadOutcome(in_memory=payload is not None, pid=os.getpid()), {}, {}
+        outcome = ReadOutcome(in_memory=payload is not None, pid=pid, relaying=relay_file is not None)
+        got, crcs = {}, {}
         try:
             got = _read_own(mine, files, source, expected_crc, checksum, payload, where)
             crcs = {item: 0 if checked_by_reader(item) else crc32c(got[item]) for item in mine}  # (for the receivers)
@@ -75,30 +82,97 @@ def share_reads(
         _raise_failures(group, [t.error for t in told])
         # what this rank copies from the very memory its reader checked, the load need not check again
         checked = {item for item in mine if checked_by_reader(item)}
-        problems = []
+        problems: list[str] = []
         by_memory: dict[int, list[SharedItem]] = {}  # inside this node first (no rank waits on another for
         for members, reader, items in shares.rounds():  # them), each reader's payload mapped once
             if told[reader].in_memory and me != reader and me in members and shares.same_node(me, reader):
                 by_memory.setdefault(reader, []).extend(items)
         for reader, items in by_memory.items():
-            if _receive(got, problems, lambda: _from_memory(shares, reader, told[reader], items, checked_by_reader)):
+            order, at = shares.layout(reader)
+            whence = f"read by rank {reader}"
+            if _receive(got, problems, lambda: _mapped(shares, reader, told[reader], order, at, items, checked_by_reader,
+                                                       whence)):
                 checked.update(item for item in items if checked_by_reader(item))
-        for members, reader, items in shares.rounds():  # then other nodes (and readers without a payload)
-            def on_its_node(m: int, reader: int = reader) -> bool:  # through its payload, or the page cache
-                return shares.reads_itself(m, reader) or (told[reader].in_memory and shares.same_node(m, reader))
-            if me == reader:
-                to = tuple(m for m in members if m != reader and not on_its_node(m))
-                if to:
-                    _send_round(items, got, crcs, group, to)
-            elif me in members and not on_its_node(me):  # (sent over the network: the load checks them again)
-                _receive(got, problems, lambda: _receive_round(items, reader, group, checked_by_reader))
+        check = _Checks(checked_by_reader, expected_crc, checksum)
+        relays = _gloo_rounds(shares, group, told, got, crcs, relay_file, check, problems)
+        checked.update(item for item in relayed if relay_file is not None and item in got and checked_by_reader(item))
+        if any(t.relaying for t in told):  # every relay holds its node's items: the ranks of its node map them
+            _raise_failures(group, [t.error for t in _exchange(group, ReadOutcome("; ".join(problems) or None))])
+            for relay, items in relays.items():
+                order = shares.relayed(relay)
+                at = dict(zip(order, _offsets(order)))
+                if _receive(got, problems, lambda: _mapped(shares, relay, told[relay], order, at, items, lambda i: True,
+                                                           f"relayed by rank {relay}", "relay")):
+                    checked.update(item for item in items if checked_by_reader(item))
         # a damaged item stops every rank (none waits on this one in a later round); the payload files may go now
         _raise_failures(group, [t.error for t in _exchange(group, ReadOutcome("; ".join(problems) or None))])
     finally:
-        if payload is not None:
-            payload.remove()
+        for made in (payload, relay_file):
+            if made is not None:
+                made.remove()
     return SharedSource(source, {(files[item.relative_path], item.offset): data for item, data in got.items()},
                         frozenset((files[item.relative_path], item.offset, item.length) for item in checked))
+
+
+@dataclass(frozen=True)
+class _Checks:
+    """How a received item is checked: its length, and its CRC32C unless the load checks the
+    sidecar's checksum of it anyway (`later`); a relay checks it whole (`whole`), for its node."""
+
+    later: Callable[[SharedItem], bool]
+    expected_crc: Callable[[SharedItem], Optional[int]]
+    checksum: Optional[Callable[[bytes], int]]
+
+    def received(self, item: SharedItem, data, crc: int, whence: str) -> None:
+        _check(item, data, crc, self.later, whence)
+
+    def whole(self, item: SharedItem, data, crc: int, whence: str) -> None:
+        if self.later(item):  # (the reader sent no CRC32C of it: the sidecar's checksum is the one)
+            _check(item, data, None, lambda _: True, whence)
+            if self.checksum(data) != self.expected_crc(item):
+                raise Damaged(f"{_bytes_of(item)} {whence} arrived damaged")
+        else:
+            _check(item, data, crc, lambda _: False, whence)
+
+
+def _gloo_rounds(shares: ReadShares, group: LoadGroup, told: list, got: dict, crcs: dict,
+                 relay_file: Optional[MemoryPayload], check: _Checks, problems: list[str]) -> dict[int, list[SharedItem]]:
+    """Every round's items to the ranks that do not get them inside the reader's node: to each
+    other node's relay (which receives them into its relay file) where it has one, else to each
+    rank. Returns the items this rank is to map from its node's relays, by relay."""
+    me = group.rank
+    from_relays: dict[int, list[SharedItem]] = {}
+    relay_at = 0
+    for members, reader, items in shares.rounds():
+        def on_its_node(m: int) -> bool:  # through its payload, or the page cache
+            return shares.reads_itself(m, reader) or (told[reader].in_memory and shares.same_node(m, reader))
+
+        known: dict[int, Optional[int]] = {}  # node -> its relay in this round
+
+        def relay_of(m: int) -> Optional[int]:
+            node = shares.node(m)
+            if node < 0:
+                return None
+            if node not in known:
+                relay = shares.relay(members, reader, m)
+                known[node] = relay if relay is not None and told[relay].relaying else None
+            return known[node]
+
+        if me == reader:
+            to = tuple(m for m in members if m != reader and not on_its_node(m) and relay_of(m) in (None, m))
+            if to:
+                _send_round(items, got, crcs, group, to)
+        elif me in members and not on_its_node(me):  # (sent over the network: the load checks them again)
+            relay = relay_of(me)
+            if relay is None:
+                _receive(got, problems, lambda: _receive_round(items, reader, group, check.received))
+            elif relay == me:  # into the relay file, each item checked whole: its node's ranks take it as is
+                into = relay_file.view(relay_at, sum(item.length for item in items))
+                relay_at += len(into)
+                _receive(got, problems, lambda: _receive_round(items, reader, group, check.whole, into))
+            else:
+                from_relays.setdefault(relay, []).extend(items)
+    return from_relays
 
 
 def _read_own(items, files, source, expected_crc, checksum, payload: Optional[MemoryPayload],
@@ -122,23 +196,35 @@ def _read_own(items, files, source, expected_crc, checksum, payload: Optional[Me
         return dict(zip(items, pool.map(read, items)))
 
 
-def _from_memory(shares: ReadShares, reader: int, told: ReadOutcome, items: list[SharedItem],
-                 checked_by_reader: Callable[[SharedItem], bool]) -> dict:
-    """`items` from the payload of `reader` (a rank of this node), each checked: its length,
-    and its CRC32C unless the reader checked the sidecar's checksum of these very bytes."""
-    order, where = shares.layout(reader)
-    path, crcs = payload_name(shares.nonce, reader, told.pid), told.crcs
+def _mapped(shares: ReadShares, rank: int, told: ReadOutcome, order: list[SharedItem], at: dict[SharedItem, int],
+            items: list[SharedItem], skip_crc: Callable[[SharedItem], bool], whence: str, kind: str = "r") -> dict:
+    """`items` from a file in /dev/shm of `rank` (a rank of this node) that holds `order` laid end
+    to end (`at`: where each begins), each checked: its length, and its CRC32C unless `skip_crc`
+    (its reader checked the sidecar's checksum of these very bytes; a relay checked it whole)."""
+    path = payload_name(shares.nonce, rank, told.pid, kind)
     try:
         view = open_payload(path, sum(item.length for item in order))
     except OSError as exc:
-        raise Damaged(f"the items rank {reader} read could not be opened in shared memory ({exc})") from None
-    crc_of = dict(zip(order, crcs))
+        raise Damaged(f"the items {whence} could not be opened in shared memory ({exc})") from None
+    crc_of = dict(zip(order, told.crcs)) if kind == "r" else {}
     out = {}
     for item in items:
-        data = view[where[item]:where[item] + item.length]
-        _check(item, data, crc_of[item], checked_by_reader, f"read by rank {reader} (in {path})")
+        data = view[at[item]:at[item] + item.length]
+        _check(item, data, crc_of.get(item), skip_crc, f"{whence} (in {path})")
         out[item] = data
     return out
+
+
+def _offsets(items: list[SharedItem]) -> list[int]:
+    at, out = 0, []
+    for item in items:
+        out.append(at)
+        at += item.length
+    return out
+
+
+def _bytes_of(item: SharedItem) -> str:
+    return f"{item.relative_path}: bytes {item.offset}..{item.offset + item.length}"
 
 
 class Damaged(CheckpointError):
@@ -159,7 +245,7 @@ def _receive(got: dict, problems: list[str], receive: Callable[[], dict]) -> boo
 def _check(item: SharedItem, data, crc: Optional[int], skip_crc: Callable[[SharedItem], bool],
            whence: str) -> None:
     if len(data) != item.length or (not skip_crc(item) and crc32c(data) != crc):
-        raise Damaged(f"{item.relative_path}: bytes {item.offset}..{item.offset + item.length} {whence} arrived damaged")
+        raise Damaged(f"{_bytes_of(item)} {whence} arrived damaged")
 
 
 def _send_round(items, got, crcs: dict, group: LoadGroup, to: tuple[int, ...]) -> None:
@@ -182,21 +268,22 @@ def _send_round(items, got, crcs: dict, group: LoadGroup, to: tuple[int, ...]) -
     _collective(send, group)
 
 
-def _receive_round(items, reader, group: LoadGroup, checked_later: Callable[[SharedItem], bool]) -> dict:
-    """A receiver's side of `_send_round`: each item checked, its length and its CRC32C (unless
-    the load checks the sidecar's checksum of the bytes received anyway)."""
+def _receive_round(items, reader, group: LoadGroup, check: Callable, into: Optional[memoryview] = None) -> dict:
+    """A receiver's side of `_send_round` (into `into`, a relay file's part, or fresh memory):
+    each item checked by `check` (`_Checks`)."""
     total = sum(item.length for item in items)
     src = dist.get_global_rank(group.pg, reader)
     crcs = torch.zeros(len(items), dtype=torch.int64)
-    payload = torch.empty(max(total, 1), dtype=torch.uint8)
+    payload = torch.frombuffer(into, dtype=torch.uint8) if into is not None and total else torch.empty(max(total, 1),
+                                                                                                      dtype=torch.uint8)
     _collective(lambda: dist.recv(crcs, src=src, group=group.pg), group, src)
     if total:
         _collective(lambda: dist.recv(payload, src=src, group=group.pg), group, src)
-    view, at, out = memoryview(payload.numpy()), 0, {}
+    view, at, out = into if into is not None else memoryview(payload.numpy()), 0, {}
     for item, crc in zip(items, crcs.tolist()):
         data = view[at:at + item.length]  # (the payload lives as long as its views)
         at += item.length
-        _check(item, data, crc, checked_later, f"sent by rank {src}")
+        check(item, data, crc, f"sent by rank {src}")
         out[item] = data
     return out
 

@@ -215,8 +215,9 @@ def test_hsdp_like_resume_reads_every_byte_once_per_job(tmp_path):
 def _load_counting_paths(rank: int, world: int, path: str, out: str, nodes: str) -> None:
     """Load as DDP does, counting the bytes each rank got through shared memory and through gloo,
     and those it checksummed. `nodes`: "one" (every rank on this machine), "two" (ranks 0, 1 and
-    2, 3 told they are two nodes) or "no room" (one node, but rank 0's /dev/shm cannot hold its
-    payload); as on an object store unless "file system" (the checkpoint's files as they are)."""
+    2, 3 told they are two nodes), "no room" (one node, but rank 0's /dev/shm cannot hold its
+    payload) or "two, no room to relay" (node 1's /dev/shm cannot hold what it receives); as on an
+    object store unless "file system" (the checkpoint's files as they are)."""
     import asyncckpt.loading.broadcast as broadcast
     import asyncckpt.loading.metadata_share as metadata_share
     import asyncckpt.loading.node_share as node_share
@@ -238,6 +239,10 @@ def _load_counting_paths(rank: int, world: int, path: str, out: str, nodes: str)
     if nodes == "no room" and rank == 0:
         node_share.MemoryPayload.create = classmethod(lambda cls, p, size: None)
         replicated.MemoryPayload = metadata_share.MemoryPayload = node_share.MemoryPayload
+    if nodes == "two, no room to relay" and rank >= 2:
+        create = node_share.MemoryPayload.create
+        node_share.MemoryPayload.create = classmethod(lambda cls, p, size: None if "-relay" in p else create(p, size))
+        replicated.MemoryPayload = node_share.MemoryPayload
     metadata_by = []  # how .metadata reached this rank: "memory", "tree" (from another node), "broadcast"
     mapped, along_the_tree, broadcast_blobs = metadata_share._mapped, metadata_share._along_the_tree, broadcast.broadcast_blobs
 
@@ -256,12 +261,12 @@ def _load_counting_paths(rank: int, world: int, path: str, out: str, nodes: str)
 
     metadata_share._mapped, metadata_share._along_the_tree = counted_mapped, counted_along_the_tree
     broadcast.broadcast_blobs = counted_broadcast
-    got = {"memory": 0, "gloo": 0}
-    from_memory, receive_round = replicated._from_memory, replicated._receive_round
+    got = {"memory": 0, "gloo": 0, "relay": 0}  # relay: mapped from the file of a rank that received it for its node
+    from_memory, receive_round = replicated._mapped, replicated._receive_round
 
     def counted_from_memory(*args):
         items = from_memory(*args)
-        got["memory"] += sum(len(v) for v in items.values())
+        got["relay" if args[-1] == "relay" else "memory"] += sum(len(v) for v in items.values())
         return items
 
     def counted_receive(*args):
@@ -269,7 +274,7 @@ def _load_counting_paths(rank: int, world: int, path: str, out: str, nodes: str)
         got["gloo"] += sum(len(v) for v in items.values())
         return items
 
-    replicated._from_memory, replicated._receive_round = counted_from_memory, counted_receive
+    replicated._mapped, replicated._receive_round = counted_from_memory, counted_receive
     counter = ReadCounter()
     expected = replicated_state()
     state = zeroed(expected)
@@ -279,15 +284,18 @@ def _load_counting_paths(rank: int, world: int, path: str, out: str, nodes: str)
         json.dump({"got": got, "read": counter.take(), "metadata_by": metadata_by, "checksummed": checksummed[0]}, f)
 
 
-@pytest.mark.parametrize("nodes", ["one", "two", "no room"])
+@pytest.mark.parametrize("nodes", ["one", "two", "no room", "two, no room to relay"])
 def test_ranks_of_one_node_share_through_shared_memory_and_other_nodes_through_gloo(tmp_path, nodes):
     """On an object store: inside a node a reader's items go through a file in /dev/shm (no
-    bytes through gloo), to other nodes through gloo; a reader whose /dev/shm has no room sends
-    through gloo. Every byte is still read from storage once, the state is whole, and no payload
-    file is left behind. An item that reached a rank through shared memory is checksummed once,
-    by its reader, in the memory the others copy it from; one that came by gloo again by its receiver.
-    `.metadata` too: read by rank 0 once, sent to one rank of each other node, to the other ranks
-    of a node through /dev/shm; by the plain broadcast to all when a node has no room for it."""
+    bytes through gloo), to another node through gloo once: to one of its ranks (the relay,
+    taking turns by round), which receives them into a /dev/shm file its node's other ranks map;
+    a reader whose /dev/shm has no room sends through gloo, and to a node whose relay has no room
+    each of its ranks receives its own. Every byte is still read from storage once, the state is
+    whole, and no payload file is left behind. An item that reached a rank through shared memory
+    is checksummed once, by its reader, in the memory the others copy it from; one that came by
+    gloo again by the rank it came to. `.metadata` too: read by rank 0 once, sent to one rank of
+    each other node, to the other ranks of a node through /dev/shm; by the plain broadcast to all
+    when a node has no room for it."""
     path = saved_step_one(str(tmp_path / "root"), replicated_state())
     out = tmp_path / "counts"
     out.mkdir()
@@ -298,17 +306,24 @@ def test_ranks_of_one_node_share_through_shared_memory_and_other_nodes_through_g
     assert sum(c["read"]["data_bytes"] for c in counts) == total, counts
     assert sum(c["read"]["metadata"] for c in counts) == 1 and counts[0]["read"]["metadata"] == 1, counts
     routes = [c["metadata_by"] for c in counts]
-    assert routes == {"one": [[], ["memory"], ["memory"], ["memory"]], "two": [[], ["memory"], ["tree"], ["memory"]],
+    two = [[], ["memory"], ["tree"], ["memory"]]
+    assert routes == {"one": [[], ["memory"], ["memory"], ["memory"]], "two": two, "two, no room to relay": two,
                       "no room": [["broadcast"]] * WORLD}[nodes], routes
     memory, gloo = sum(c["got"]["memory"] for c in counts), sum(c["got"]["gloo"] for c in counts)
+    relayed = [c["got"]["relay"] for c in counts]
     shared = sum(c["got"]["memory"] + c["got"]["gloo"] for c in counts)
     checksummed = sum(c["checksummed"] for c in counts)
     if nodes == "one":
-        assert gloo == 0 and memory == shared > 0, counts
+        assert gloo == 0 and memory == shared > 0 and relayed == [0] * WORLD, counts
         assert checksummed == total, counts  # each item by its reader only
-    elif nodes == "two":
-        assert memory > 0 and gloo > 0, counts
-        assert checksummed == total + gloo, counts  # and again by each rank that got it by gloo
+    elif nodes == "two":  # each item crosses to the other node once, to one of its ranks
+        assert memory > 0 and gloo == total and sum(relayed) == total, counts
+        assert relayed[0] > 0 and relayed[1] > 0 and relayed[2] > 0 and relayed[3] > 0, counts  # turns
+        assert checksummed == total + gloo, counts  # and again by the rank it came to, for its node
+    elif nodes == "two, no room to relay":  # node 0 still gets each item once; node 1's ranks each theirs
+        node1_items = counts[0]["got"]["gloo"] + counts[1]["got"]["gloo"]
+        assert relayed[2:] == [0, 0] and sum(relayed[:2]) == node1_items > 0, counts
+        assert counts[2]["got"]["gloo"] == counts[3]["got"]["gloo"] == total - node1_items, counts
     else:  # rank 0's share goes through gloo, the others' through memory
         assert counts[0]["got"]["memory"] > 0 and gloo > 0 and memory > 0, counts
     assert not [n for n in set(os.listdir("/dev/shm")) - before if n.startswith("asyncckpt-load-")]
@@ -320,7 +335,8 @@ def test_ranks_of_one_node_read_a_file_system_through_its_page_cache(tmp_path, n
     cache reads the storage once for them, and each rank copying from it is cheaper than any
     hand-over (a reader's /dev/shm payload measured 2.2-2.8x slower on one node). One node: no
     item is handed over at all, every rank checks what it read. Two nodes: each item is read from
-    storage on one node only (by its reader and its node's other rank) and sent to the other node."""
+    storage on one node only (by its reader and its node's other rank) and sent to the other node
+    once (to one rank, which hands it to the other through /dev/shm)."""
     path = saved_step_one(str(tmp_path / "root"), replicated_state())
     out = tmp_path / "counts"
     out.mkdir()
@@ -329,13 +345,18 @@ def test_ranks_of_one_node_read_a_file_system_through_its_page_cache(tmp_path, n
     total = stored_bytes(path)
     assert sum(c["read"]["metadata"] for c in counts) == 1 and counts[0]["read"]["metadata"] == 1, counts
     assert sum(c["got"]["memory"] for c in counts) == 0, counts
-    assert [c["checksummed"] for c in counts] == [total] * WORLD, counts  # every rank checked all it loaded once
     read, by_gloo = [c["read"]["data_bytes"] for c in counts], [c["got"]["gloo"] for c in counts]
+    relayed, checksummed = [c["got"]["relay"] for c in counts], [c["checksummed"] for c in counts]
     if nodes == "one":  # every rank read all (and the archives' headers to find the tensors: more than `total`)
         assert read == [read[0]] * WORLD and read[0] >= total and by_gloo == [0] * WORLD, counts
-    else:  # the ranks of a node read the same (their node's items) and got the other node's by gloo
+        assert checksummed == [total] * WORLD, counts  # every rank checked all it loaded once
+    else:  # the ranks of a node read the same (their node's items) and got the other node's once by gloo
         assert read[0] == read[1] and read[2] == read[3] and read[0] + read[2] >= total, counts
-        assert by_gloo[0] == by_gloo[1] > 0 and by_gloo[2] == by_gloo[3] > 0 and by_gloo[0] + by_gloo[2] == total, counts
+        node0, node1 = by_gloo[0] + by_gloo[1], by_gloo[2] + by_gloo[3]
+        assert node0 > 0 and node1 > 0 and node0 + node1 == total, counts
+        assert relayed[0] + relayed[1] == node0 and relayed[2] + relayed[3] == node1, counts
+        # each node's two ranks check its own items, the relay the other node's as they arrive
+        assert sum(checksummed) == 2 * total + sum(by_gloo), counts
 
 
 def test_a_payload_file_whose_process_is_gone_is_removed_by_the_next_reader(tmp_path, monkeypatch):
@@ -426,6 +447,36 @@ def test_the_plans_stay_small_at_thousands_of_ranks(layout):
     assert assign_shared_reads(one_node, SimpleNamespace(storage_data=storage), page_cache=True) is one_node
     if layout == "ddp":  # (HSDP's first eight ranks share nothing: 16 shards)
         assert assign_shared_reads(one_node, SimpleNamespace(storage_data=storage)) is not one_node
+
+
+def test_each_other_node_gets_a_round_through_one_relay():
+    """ReadShares.relay: for a round (its ranks, its reader) every node but the reader's with two
+    or more of its ranks has exactly one relay, one of those ranks, whichever of them asks; a node
+    with one rank, a rank without shared memory (-1) and the reader's node have none; relays
+    take turns by reader; `relayed` lists what each rank relays, every item once per other node."""
+    from asyncckpt.loading.read_shares import ReadShares, SharedItem
+
+    # nodes: ranks 0-3 node 0, 4-7 node 1, 8-9 node 0 again, 10-11 no shared memory, 12-15 node 2
+    runs = ((0, 0), (4, 1), (8, 0), (10, -1), (12, 2))
+    for members in (range(16), range(1, 16, 3), (0, 2, 5, 6, 9, 10, 11, 13, 14)):
+        items = tuple(SharedItem("f", 100 * reader, 10, reader, members) for reader in members)
+        shares = ReadShares(items, runs)
+        for reader in members:
+            for node in (0, 1, 2, -1):
+                on_node = [m for m in members if shares.node(m) == node]
+                assert shares.node_members(members, node) == (on_node if node >= 0 else [m for m in members if 10 <= m < 12])
+                relays = {shares.relay(members, reader, m) for m in on_node}
+                if node < 0 or node == shares.node(reader) or len(on_node) < 2:
+                    assert relays <= {None}, (members, reader, node, relays)
+                else:
+                    assert len(relays) == 1 and relays <= set(on_node), (members, reader, node, relays)
+        relayed = [item for rank in range(16) for item in shares.relayed(rank)]
+        for item in items:  # once per other node where two or more of its ranks need it
+            other_nodes = [n for n in (0, 1, 2) if n != shares.node(item.reader)
+                           and len([m for m in members if shares.node(m) == n]) >= 2]
+            assert relayed.count(item) == len(other_nodes), (members, item)
+        if members == range(16):  # turns: node 1's four ranks each relay some reader's items
+            assert all(shares.relayed(rank) for rank in range(4, 8))
 
 
 def test_metadata_goes_to_each_node_once_along_a_tree_of_log2_hops():
