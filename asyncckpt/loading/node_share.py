@@ -1,11 +1,12 @@
 """Resume at scale inside one node: a reading rank hands the items it read for the ranks of its
-own node over in shared memory, not through gloo.
+own node over in shared memory, not through gloo (and a relay, the items it received from
+another node for them).
 
 Loopback TCP costs several copies and system calls per byte: 64 MiB broadcast to three ranks of
 one node took 0.28-0.35 s here, six times what reading it took. Instead the reader reads its items
 straight into one file under /dev/shm (`MemoryPayload`), the ranks of its node map that file
-(`open_payload`) and check each item's length and CRC32C, and the reader removes the file once
-they hold it. A node is one boot of one machine seen through one /dev/shm (`node_key`): the
+(`open_payload`) and check each item's length (and its CRC32C where the reader did not check
+it against the sidecar in that file), and the reader removes the file once they hold it. A node is one boot of one machine seen through one /dev/shm (`node_key`): the
 containers of one host, each with a /dev/shm of its own, are nodes of their own. A reader that
 cannot place its items there (a small /dev/shm: Docker's default is 64 MiB) keeps them in its
 own memory, and they go by gloo as to ranks of other nodes.
@@ -64,7 +65,8 @@ def remove_stale_payloads() -> None:
 
 
 class MemoryPayload:
-    """The reader's side: one file of `size` bytes under /dev/shm, mapped, its room reserved."""
+    """The writer's side (a reader, a relay): one file of `size` bytes under /dev/shm, mapped, its
+    room reserved."""
 
     def __init__(self, path: str, size: int) -> None:
         self.path = path

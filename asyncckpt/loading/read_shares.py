@@ -13,7 +13,7 @@ import hashlib
 import heapq
 import sys
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Optional
 
@@ -35,7 +35,9 @@ class SharedItem:
     offset: int
     length: int
     reader: int  # the rank of the load's group that reads it
-    members: Ranks  # every rank of the group that needs it (the reader among them); one object per set
+    # every rank of the group that needs it (the reader among them); one object per set (and not
+    # hashed with the item: a stored item is shared once, and a tuple of 16,384 ranks is slow to hash)
+    members: Ranks = field(compare=False)
 
 
 @dataclass(frozen=True)
@@ -82,22 +84,22 @@ class ReadShares:
 
     def rounds(self) -> list[tuple[Ranks, int, list[SharedItem]]]:
         """(members, reader, its items) in the order every rank runs them (the items' order)."""
-        grouped: dict[tuple[Ranks, int], list[SharedItem]] = {}
+        grouped: dict[tuple[int, int], list[SharedItem]] = {}  # by (the set's object, reader): one object per set
         for item in self.items:
-            grouped.setdefault((item.members, item.reader), []).append(item)
-        return [(members, reader, items) for (members, reader), items in grouped.items()]
+            grouped.setdefault((id(item.members), item.reader), []).append(item)
+        return [(items[0].members, items[0].reader, items) for items in grouped.values()]
 
     def relay(self, members: Ranks, reader: int, rank: int) -> Optional[int]:
         """The rank of `rank`'s node that receives the round's items (`members`, `reader`) from
         the reader's node for the ranks of its own node, which then map them from its /dev/shm
         file: a node receives them once, not once per rank. None: `rank` receives its own (the
         reader's node, a rank without shared memory, or the node's only member). The node's
-        members take turns by reader (readers are spread over the ranks)."""
+        members take turns by the reader's place among `members` (readers are spread over them)."""
         node = self.node(rank)
         if node < 0 or node == self.node(reader):
             return None
         on_node = self.node_members(members, node)
-        return on_node[reader % len(on_node)] if len(on_node) >= 2 else None
+        return on_node[_place(members, reader) % len(on_node)] if len(on_node) >= 2 else None
 
     def relayed(self, rank: int) -> list[SharedItem]:
         """The items `rank` relays to its node, in the order they lie in its relay file."""
@@ -175,8 +177,10 @@ def assign_shared_reads(plans: list[LoadPlan], metadata: Metadata, budget: int =
         if len(members) < 2 or held + length > budget:
             continue
         if members not in sets:
-            one_node = page_cache and _one_node(members, shares)
-            sets[members] = None if one_node else _compact(members)  # (None: they read it through their page cache)
+            if page_cache and _one_node(members, shares):
+                sets[members] = None  # they read it through their page cache
+                continue
+            sets[members] = _compact(members)
             heaps[members] = [(load.get(r, 0), r) for r in members]
             heapq.heapify(heaps[members])
         if sets[members] is None:
@@ -190,6 +194,13 @@ def assign_shared_reads(plans: list[LoadPlan], metadata: Metadata, budget: int =
         return plans
     shares = replace(shares, items=tuple(sorted(shared, key=lambda s: (s.relative_path, s.offset))))
     return [replace(plan, storage_data=shares) for plan in plans]
+
+
+def _place(members: Ranks, rank: int) -> int:
+    """Where `rank` is among `members` (sorted)."""
+    if isinstance(members, range):
+        return (rank - members.start) // members.step
+    return bisect.bisect_left(members, rank)
 
 
 def _one_node(members: tuple[int, ...], shares: ReadShares) -> bool:

@@ -9,9 +9,11 @@ point over gloo, once per node (to one of its ranks, the relay, which checks it 
 the others of its node through a file in shared memory). To the ranks of its own node: through
 a file in shared memory (node_share.py) on an object store, while on a file system they read it
 themselves, through the page cache their node shares (`ReadShares.reads_itself`: the storage is
-read once per node, and copying from the cache is cheaper than any hand-over). Receivers check
-each item's length and CRC32C (or the load checks the sidecar's checksum). No user flag: the
-plans say which ranks read what.
+read once per node, and copying from the cache is cheaper than any hand-over). Every item is
+checked against the sidecar's checksum by its reader; a rank that copies it from the memory it
+was checked in (or from a relay's file, the relay having checked it against the reader's CRC32C)
+checks its length, one that received it over gloo its CRC32C too (or its load checks the
+sidecar's). No user flag: the plans say which ranks read what.
 
 Then every rank loads as before through `SharedSource`, which serves the shared items' bytes
 from memory and passes any other read to the storage. The shared bytes are held in host memory
@@ -32,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import CheckpointError, PartialLoadError
-from ..formats import crc32c
+from ..formats import CHECKSUM_ALGORITHM, Sidecar, crc32c
 from .broadcast import LoadGroup
 from .byte_sources import ByteSource, SharedSource
 from .node_share import MemoryPayload, open_payload, payload_name
@@ -47,12 +49,13 @@ class ReadOutcome:
     in_memory: bool = False  # its items are in its payload file (node_share.py) for the ranks of its node
     pid: int = 0  # (the payload files' names hold it: a file whose process is gone is removed later)
     crcs: tuple[int, ...] = ()  # CRC32C of each item it read, in `ReadShares.layout` order
+    verified: tuple[bool, ...] = ()  # each matched the sidecar's checksum, where it lies (its payload, its memory)
     relaying: bool = False  # it has a relay file for the items it receives for its node (ReadShares.relay)
 
 
 def share_reads(
     shares: ReadShares, group: LoadGroup, files: dict[str, str], source: ByteSource,
-    expected_crc: Callable[[SharedItem], Optional[int]], checksum: Optional[Callable[[bytes], int]],
+    expected_crc: Callable[[SharedItem], Optional[int]], sidecar: Optional[Sidecar],
 ) -> "SharedSource":
     """Read this rank's share of the shared items, hand every share to its ranks (inside a node
     through shared memory or the page cache, between nodes over gloo: to one rank of each node,
@@ -63,25 +66,26 @@ def share_reads(
     mine, where = shares.layout(me)
     relayed = shares.relayed(me)
     payload = relay_file = None
-    if mine and shares.local_receivers(me):
-        payload = MemoryPayload.create(payload_name(shares.nonce, me, pid), sum(item.length for item in mine))
-    if relayed:
-        relay_file = MemoryPayload.create(payload_name(shares.nonce, me, pid, "relay"), sum(i.length for i in relayed))
-    # an item with a checksum in the sidecar is checked by its reader, in the memory it read it into
-    checked_by_reader = lambda item: checksum is not None and expected_crc(item) is not None  # noqa: E731
+    got: dict[SharedItem, bytes] = {}
     try:
+        if mine and shares.local_receivers(me):
+            payload = MemoryPayload.create(payload_name(shares.nonce, me, pid), sum(item.length for item in mine))
+        if relayed:
+            relay_file = MemoryPayload.create(payload_name(shares.nonce, me, pid, "relay"), sum(i.length for i in relayed))
         outcome = ReadOutcome(in_memory=payload is not None, pid=pid, relaying=relay_file is not None)
-        got, crcs = {}, {}
         try:
-            got = _read_own(mine, files, source, expected_crc, checksum, payload, where)
-            crcs = {item: 0 if checked_by_reader(item) else crc32c(got[item]) for item in mine}  # (for the receivers)
-            outcome = replace(outcome, crcs=tuple(crcs[item] for item in mine))
-        except CheckpointError as exc:
-            outcome = replace(outcome, error=str(exc))
+            got, outcome = _read_own(mine, files, source, expected_crc, sidecar, payload, where, outcome)
+        except Exception as exc:  # told to the others, who wait for it
+            outcome = replace(outcome, error=str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}")
         told = _exchange(group, outcome)
         _raise_failures(group, [t.error for t in told])
-        # what this rank copies from the very memory its reader checked, the load need not check again
-        checked = {item for item in mine if checked_by_reader(item)}
+        crcs = dict(zip(mine, outcome.crcs))
+        # what its reader checked against the sidecar's checksum, told by the reader: where this rank copies
+        # it from the very memory it was checked in (or a relay checked it against the reader's CRC32C of
+        # it), the load need not check it again
+        verified = {item: ok for reader in range(group.size) if told[reader].verified
+                    for item, ok in zip(shares.layout(reader)[0], told[reader].verified)}
+        checked = {item for item in mine if verified[item]}
         problems: list[str] = []
         by_memory: dict[int, list[SharedItem]] = {}  # inside this node first (no rank waits on another for
         for members, reader, items in shares.rounds():  # them), each reader's payload mapped once
@@ -89,13 +93,12 @@ def share_reads(
                 by_memory.setdefault(reader, []).extend(items)
         for reader, items in by_memory.items():
             order, at = shares.layout(reader)
-            whence = f"read by rank {reader}"
-            if _receive(got, problems, lambda: _mapped(shares, reader, told[reader], order, at, items, checked_by_reader,
-                                                       whence)):
-                checked.update(item for item in items if checked_by_reader(item))
-        check = _Checks(checked_by_reader, expected_crc, checksum)
-        relays = _gloo_rounds(shares, group, told, got, crcs, relay_file, check, problems)
-        checked.update(item for item in relayed if relay_file is not None and item in got and checked_by_reader(item))
+            if _receive(got, problems, lambda: _mapped(shares, reader, told[reader], order, at, items, verified.get,
+                                                       f"read by rank {reader}")):
+                checked.update(item for item in items if verified[item])
+        later = lambda item: sidecar is not None and expected_crc(item) is not None  # noqa: E731 (its load checks it)
+        relays = _gloo_rounds(shares, group, told, got, crcs, relay_file, later, problems)
+        checked.update(item for item in relayed if relay_file is not None and item in got and verified[item])
         if any(t.relaying for t in told):  # every relay holds its node's items: the ranks of its node map them
             _raise_failures(group, [t.error for t in _exchange(group, ReadOutcome("; ".join(problems) or None))])
             for relay, items in relays.items():
@@ -103,7 +106,7 @@ def share_reads(
                 at = dict(zip(order, _offsets(order)))
                 if _receive(got, problems, lambda: _mapped(shares, relay, told[relay], order, at, items, lambda i: True,
                                                            f"relayed by rank {relay}", "relay")):
-                    checked.update(item for item in items if checked_by_reader(item))
+                    checked.update(item for item in items if verified[item])
         # a damaged item stops every rank (none waits on this one in a later round); the payload files may go now
         _raise_failures(group, [t.error for t in _exchange(group, ReadOutcome("; ".join(problems) or None))])
     finally:
@@ -114,32 +117,14 @@ def share_reads(
                         frozenset((files[item.relative_path], item.offset, item.length) for item in checked))
 
 
-@dataclass(frozen=True)
-class _Checks:
-    """How a received item is checked: its length, and its CRC32C unless the load checks the
-    sidecar's checksum of it anyway (`later`); a relay checks it whole (`whole`), for its node."""
-
-    later: Callable[[SharedItem], bool]
-    expected_crc: Callable[[SharedItem], Optional[int]]
-    checksum: Optional[Callable[[bytes], int]]
-
-    def received(self, item: SharedItem, data, crc: int, whence: str) -> None:
-        _check(item, data, crc, self.later, whence)
-
-    def whole(self, item: SharedItem, data, crc: int, whence: str) -> None:
-        if self.later(item):  # (the reader sent no CRC32C of it: the sidecar's checksum is the one)
-            _check(item, data, None, lambda _: True, whence)
-            if self.checksum(data) != self.expected_crc(item):
-                raise Damaged(f"{_bytes_of(item)} {whence} arrived damaged")
-        else:
-            _check(item, data, crc, lambda _: False, whence)
-
-
 def _gloo_rounds(shares: ReadShares, group: LoadGroup, told: list, got: dict, crcs: dict,
-                 relay_file: Optional[MemoryPayload], check: _Checks, problems: list[str]) -> dict[int, list[SharedItem]]:
+                 relay_file: Optional[MemoryPayload], later: Callable[[SharedItem], bool],
+                 problems: list[str]) -> dict[int, list[SharedItem]]:
     """Every round's items to the ranks that do not get them inside the reader's node: to each
-    other node's relay (which receives them into its relay file) where it has one, else to each
-    rank. Returns the items this rank is to map from its node's relays, by relay."""
+    other node's relay (which receives them into its relay file and checks each against the
+    reader's CRC32C of it, for its node) where it has one, else to each rank (which checks each
+    item's CRC32C unless its load checks the sidecar's checksum of it: `later`). Returns the
+    items this rank is to map from its node's relays, by relay."""
     me = group.rank
     from_relays: dict[int, list[SharedItem]] = {}
     relay_at = 0
@@ -162,23 +147,24 @@ def _gloo_rounds(shares: ReadShares, group: LoadGroup, told: list, got: dict, cr
             to = tuple(m for m in members if m != reader and not on_its_node(m) and relay_of(m) in (None, m))
             if to:
                 _send_round(items, got, crcs, group, to)
-        elif me in members and not on_its_node(me):  # (sent over the network: the load checks them again)
+        elif me in members and not on_its_node(me):
             relay = relay_of(me)
             if relay is None:
-                _receive(got, problems, lambda: _receive_round(items, reader, group, check.received))
+                _receive(got, problems, lambda: _receive_round(items, reader, group, later))
             elif relay == me:  # into the relay file, each item checked whole: its node's ranks take it as is
                 into = relay_file.view(relay_at, sum(item.length for item in items))
                 relay_at += len(into)
-                _receive(got, problems, lambda: _receive_round(items, reader, group, check.whole, into))
+                _receive(got, problems, lambda: _receive_round(items, reader, group, lambda _: False, into))
             else:
                 from_relays.setdefault(relay, []).extend(items)
     return from_relays
 
 
-def _read_own(items, files, source, expected_crc, checksum, payload: Optional[MemoryPayload],
-              where: dict[SharedItem, int]) -> dict[SharedItem, bytes]:
+def _read_own(items, files, source, expected_crc, sidecar: Optional[Sidecar], payload: Optional[MemoryPayload],
+              where: dict[SharedItem, int], outcome: ReadOutcome) -> tuple[dict[SharedItem, bytes], ReadOutcome]:
     """The items this rank reads for its group (into its payload when it has one), each checked
-    against its checksum."""
+    against the sidecar's checksum, with its CRC32C for the receivers (the sidecar's own where
+    that is a CRC32C: no second pass over the bytes)."""
     def read(item: SharedItem):
         data = payload.view(where[item], item.length) if payload is not None else bytearray(item.length)
         what = f"{files[item.relative_path]}: bytes {item.offset}..{item.offset + item.length}"
@@ -186,14 +172,17 @@ def _read_own(items, files, source, expected_crc, checksum, payload: Optional[Me
             source.read_into(files[item.relative_path], item.offset, [memoryview(data)], what)
         except PartialLoadError as exc:  # nothing of the state was written yet
             raise CheckpointError(str(exc)) from None
-        expected = expected_crc(item)
-        if checksum is not None and expected is not None and checksum(data) != expected:
+        expected = expected_crc(item) if sidecar is not None else None
+        if expected is not None and sidecar.checksum(data) != expected:
             raise CheckpointError(f"{what}: checksum mismatch (expected {expected:08x})")
-        return data
+        crc = expected if expected is not None and sidecar.algorithm == CHECKSUM_ALGORITHM else crc32c(data)
+        return data, crc, expected is not None
     if not items:
-        return {}
+        return {}, outcome
     with ThreadPoolExecutor(max_workers=source.threads, thread_name_prefix="asyncckpt-shared") as pool:
-        return dict(zip(items, pool.map(read, items)))
+        done = list(pool.map(read, items))
+    return ({item: data for item, (data, _, _) in zip(items, done)},
+            replace(outcome, crcs=tuple(crc for _, crc, _ in done), verified=tuple(ok for _, _, ok in done)))
 
 
 def _mapped(shares: ReadShares, rank: int, told: ReadOutcome, order: list[SharedItem], at: dict[SharedItem, int],
@@ -250,8 +239,7 @@ def _check(item: SharedItem, data, crc: Optional[int], skip_crc: Callable[[Share
 
 def _send_round(items, got, crcs: dict, group: LoadGroup, to: tuple[int, ...]) -> None:
     """The reader's side of a round to ranks `to` (of other nodes): point to point over the load's
-    gloo group (no group is made for them), the items' CRC32Cs (0 where the load checks the
-    sidecar's), then their bytes."""
+    gloo group (no group is made for them), the items' CRC32Cs, then their bytes."""
     total = sum(item.length for item in items)
     crc_values = torch.tensor([crcs[item] for item in items], dtype=torch.int64)
     payload = torch.empty(max(total, 1), dtype=torch.uint8)
@@ -268,9 +256,10 @@ def _send_round(items, got, crcs: dict, group: LoadGroup, to: tuple[int, ...]) -
     _collective(send, group)
 
 
-def _receive_round(items, reader, group: LoadGroup, check: Callable, into: Optional[memoryview] = None) -> dict:
+def _receive_round(items, reader, group: LoadGroup, skip_crc: Callable[[SharedItem], bool],
+                   into: Optional[memoryview] = None) -> dict:
     """A receiver's side of `_send_round` (into `into`, a relay file's part, or fresh memory):
-    each item checked by `check` (`_Checks`)."""
+    each item checked, its length and its CRC32C unless `skip_crc`."""
     total = sum(item.length for item in items)
     src = dist.get_global_rank(group.pg, reader)
     crcs = torch.zeros(len(items), dtype=torch.int64)
@@ -283,7 +272,7 @@ def _receive_round(items, reader, group: LoadGroup, check: Callable, into: Optio
     for item, crc in zip(items, crcs.tolist()):
         data = view[at:at + item.length]  # (the payload lives as long as its views)
         at += item.length
-        check(item, data, crc, f"sent by rank {src}")
+        _check(item, data, crc, skip_crc, f"sent by rank {src}")
         out[item] = data
     return out
 

@@ -36,6 +36,7 @@ from .safety import (
     TRUST_HINT, check_ranges, load_object, load_tensor, raw_tensor, refused_globals, refused_objects_text,
 )
 from ..storage import LocalStorage
+from ..storage.mounts import mount_of_path
 from .verify import UNCHECKED_HINT, sidecar_belongs_to
 
 log = logging.getLogger(__name__)
@@ -175,8 +176,7 @@ class SafeReader(StorageReader):
         sidecar = self.sidecar if self.checksums else None
         source = self._source()
         if shares is not None and self.shared_by is not None:  # resume at scale: read once, broadcast (replicated.py)
-            source = share_reads(shares, self.shared_by, files, source, self._expected_crc,
-                                 sidecar.checksum if sidecar is not None else None)
+            source = share_reads(shares, self.shared_by, files, source, self._expected_crc, sidecar)
             for item in items:  # checked by the rank that read them, in the memory this rank copies them from
                 if (item.path, item.start, item.length) in source.checked:
                     item.expected_crc = None
@@ -196,8 +196,13 @@ class SafeReader(StorageReader):
     def page_cache_shared(self) -> bool:
         """Whether the ranks of one node read this checkpoint through one page cache (a local or
         network file system, not an object store): they read a shared item themselves, the
-        node's storage reads done once by the cache (read_shares.ReadShares.reads_itself)."""
-        return isinstance(self.opened.storage, LocalStorage)
+        node's storage reads done once by the cache (read_shares.ReadShares.reads_itself). Not
+        on a FUSE mount (an object store mounted as files, e.g. mountpoint-s3 or gcsfuse, may
+        cache nothing): its node's ranks get a shared item through shared memory instead."""
+        if not isinstance(self.opened.storage, LocalStorage):
+            return False
+        mount = mount_of_path(self.path)
+        return mount is None or not mount.fstype.startswith("fuse")
 
     def _expected_crc(self, item: SharedItem) -> Optional[int]:
         return self.checksums.get((item.relative_path, item.offset, item.length))

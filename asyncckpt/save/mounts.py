@@ -9,52 +9,13 @@ about once per mount."""
 from __future__ import annotations
 
 import logging
-import os
-import re
-from dataclasses import dataclass
 from typing import Optional
+
+from ..storage.mounts import Mount, mount_of_path
 
 log = logging.getLogger(__name__)
 
-MOUNTINFO = "/proc/self/mountinfo"
 _warned: set[str] = set()  # mount points warned about in this process
-
-
-@dataclass(frozen=True)
-class Mount:
-    point: str
-    fstype: str
-    options: frozenset[str]  # the per-mount and the filesystem's (super) options together
-
-
-def parse_mountinfo(text: str) -> list[Mount]:
-    """The mounts of a /proc/PID/mountinfo text, in its order (a later mount hides an earlier one
-    at the same point). A line: ID PARENT MAJ:MIN ROOT POINT OPTIONS [TAGS...] - FSTYPE SOURCE SUPER."""
-    mounts = []
-    for line in text.splitlines():
-        before, dash, after = line.partition(" - ")
-        fields, rest = before.split(), after.split()
-        if not dash or len(fields) < 6 or not rest:
-            continue
-        options = fields[5].split(",") + (rest[2].split(",") if len(rest) > 2 else [])
-        mounts.append(Mount(_unescape(fields[4]), rest[0], frozenset(options)))
-    return mounts
-
-
-def _unescape(field: str) -> str:
-    """mountinfo writes space, tab, newline and backslash in paths as octal escapes (\\040)."""
-    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
-
-
-def mount_of(path: str, mounts: list[Mount]) -> Optional[Mount]:
-    """The mount `path` is on: the longest mount point holding it, the last one of that length."""
-    path = os.path.realpath(path)
-    found = None
-    for mount in mounts:
-        inside = mount.point == "/" or path == mount.point or path.startswith(mount.point.rstrip("/") + "/")
-        if inside and (found is None or len(mount.point) >= len(found.point)):
-            found = mount
-    return found
 
 
 def local_flock(mount: Mount) -> Optional[str]:
@@ -70,11 +31,7 @@ def local_flock(mount: Mount) -> Optional[str]:
 
 def warn_if_flock_is_local(folder: str) -> None:
     """A WARNING, once per mount, when `folder`'s lock cannot keep out a job on another host."""
-    try:
-        with open(MOUNTINFO) as file:
-            mount = mount_of(folder, parse_mountinfo(file.read()))
-    except OSError:
-        return
+    mount = mount_of_path(folder)
     reason = local_flock(mount) if mount is not None else None
     if reason is None or mount.point in _warned:
         return

@@ -236,6 +236,13 @@ def _load_counting_paths(rank: int, world: int, path: str, out: str, nodes: str)
         return checksum(sidecar, data, value)
 
     Sidecar.checksum = counted_checksum
+    crc32c = replicated.crc32c  # (what a receiver or a relay checks against a CRC32C the reader sent)
+
+    def counted_crc32c(data, value=0):
+        checksummed[0] += len(data)
+        return crc32c(data, value)
+
+    replicated.crc32c = counted_crc32c
     if nodes == "no room" and rank == 0:
         node_share.MemoryPayload.create = classmethod(lambda cls, p, size: None)
         replicated.MemoryPayload = metadata_share.MemoryPayload = node_share.MemoryPayload
@@ -288,12 +295,12 @@ def _load_counting_paths(rank: int, world: int, path: str, out: str, nodes: str)
 def test_ranks_of_one_node_share_through_shared_memory_and_other_nodes_through_gloo(tmp_path, nodes):
     """On an object store: inside a node a reader's items go through a file in /dev/shm (no
     bytes through gloo), to another node through gloo once: to one of its ranks (the relay,
-    taking turns by round), which receives them into a /dev/shm file its node's other ranks map;
+    taking turns by reader), which receives them into a /dev/shm file its node's other ranks map;
     a reader whose /dev/shm has no room sends through gloo, and to a node whose relay has no room
     each of its ranks receives its own. Every byte is still read from storage once, the state is
     whole, and no payload file is left behind. An item that reached a rank through shared memory
     is checksummed once, by its reader, in the memory the others copy it from; one that came by
-    gloo again by the rank it came to. `.metadata` too: read by rank 0 once, sent to one rank of
+    gloo again by the rank it came to (for its node, when that is a relay). `.metadata` too: read by rank 0 once, sent to one rank of
     each other node, to the other ranks of a node through /dev/shm; by the plain broadcast to all
     when a node has no room for it."""
     path = saved_step_one(str(tmp_path / "root"), replicated_state())
@@ -324,8 +331,10 @@ def test_ranks_of_one_node_share_through_shared_memory_and_other_nodes_through_g
         node1_items = counts[0]["got"]["gloo"] + counts[1]["got"]["gloo"]
         assert relayed[2:] == [0, 0] and sum(relayed[:2]) == node1_items > 0, counts
         assert counts[2]["got"]["gloo"] == counts[3]["got"]["gloo"] == total - node1_items, counts
+        assert checksummed == total + gloo, counts
     else:  # rank 0's share goes through gloo, the others' through memory
         assert counts[0]["got"]["memory"] > 0 and gloo > 0 and memory > 0, counts
+        assert checksummed == total + gloo, counts
     assert not [n for n in set(os.listdir("/dev/shm")) - before if n.startswith("asyncckpt-load-")]
 
 
@@ -350,8 +359,8 @@ def test_ranks_of_one_node_read_a_file_system_through_its_page_cache(tmp_path, n
     if nodes == "one":  # every rank read all (and the archives' headers to find the tensors: more than `total`)
         assert read == [read[0]] * WORLD and read[0] >= total and by_gloo == [0] * WORLD, counts
         assert checksummed == [total] * WORLD, counts  # every rank checked all it loaded once
-    else:  # the ranks of a node read the same (their node's items) and got the other node's once by gloo
-        assert read[0] == read[1] and read[2] == read[3] and read[0] + read[2] >= total, counts
+    else:  # the ranks of a node read the same (their node's items, no other) and got the other node's once by gloo
+        assert read[0] == read[1] and read[2] == read[3] and total <= read[0] + read[2] < 2 * total, counts
         node0, node1 = by_gloo[0] + by_gloo[1], by_gloo[2] + by_gloo[3]
         assert node0 > 0 and node1 > 0 and node0 + node1 == total, counts
         assert relayed[0] + relayed[1] == node0 and relayed[2] + relayed[3] == node1, counts
@@ -396,9 +405,10 @@ def _one_rank_gets_a_damaged_item(rank: int, world: int, path: str, out: str, no
 
 
 def test_an_item_that_arrives_damaged_fails_every_rank_at_once(tmp_path):
-    """A rank that gets a damaged item (rank 3, two nodes: through shared memory from rank 2, by
-    gloo from ranks 0 and 1) goes on taking part, and the exchange that ends the sharing fails
-    every rank, naming it: none waits for a timeout."""
+    """A rank that gets a damaged item (rank 3, two nodes: reader 2's items through shared
+    memory; reader 1's as node 1's relay, by gloo; reader 0's from rank 2's relay file) goes on
+    taking part, and the exchange after the relays received (or the one that ends the sharing)
+    fails every rank, naming it: none waits for a timeout."""
     path = saved_step_one(str(tmp_path / "root"), replicated_state())
     out = tmp_path / "raised"
     out.mkdir()
@@ -477,6 +487,11 @@ def test_each_other_node_gets_a_round_through_one_relay():
             assert relayed.count(item) == len(other_nodes), (members, item)
         if members == range(16):  # turns: node 1's four ranks each relay some reader's items
             assert all(shares.relayed(rank) for rank in range(4, 8))
+    # an HSDP replicate group (every 4th rank) over nodes of 8: each node's two members take turns too
+    members = range(1, 32, 4)
+    shares = ReadShares(tuple(SharedItem("f", 100 * r, 10, r, members) for r in members),
+                        tuple((8 * n, n) for n in range(4)))
+    assert all(shares.relayed(rank) for rank in members), [shares.relayed(rank) for rank in members]
 
 
 def test_metadata_goes_to_each_node_once_along_a_tree_of_log2_hops():
@@ -528,3 +543,19 @@ def test_metadata_relayed_by_a_leader_reaches_every_node(tmp_path):
     came_from = [json.loads((tmp_path / f"rank{r}.json").read_text())["from"] for r in range(5)]
     assert came_from == [[], [], [0], [0], [2]], came_from
     assert not [n for n in set(os.listdir("/dev/shm")) - before if n.startswith("asyncckpt-load-")]
+
+
+@pytest.mark.parametrize("fstype, shared", [("ext4", True), ("nfs4", True), ("fuse.mountpoint-s3", False), ("fuse", False)])
+def test_only_a_file_system_with_a_page_cache_is_read_through_it_by_a_nodes_ranks(tmp_path, monkeypatch, fstype, shared):
+    """A local path is read by each rank of a node itself (their page cache reads it once), but not
+    on a FUSE mount: an object store mounted as files may cache nothing, so there the node's
+    ranks get a shared item through shared memory, as from the object store itself."""
+    from asyncckpt.loading.opened import open_checkpoint
+    from asyncckpt.loading.safe_reader import SafeReader
+    from asyncckpt.storage import mounts
+
+    path = saved_step_one(str(tmp_path / "root"), replicated_state())
+    info = tmp_path / "mountinfo"
+    info.write_text(f"22 1 0:21 / / rw - ext4 /dev/vda rw\n40 22 0:30 / {os.path.realpath(tmp_path)} rw - {fstype} x rw\n")
+    monkeypatch.setattr(mounts, "MOUNTINFO", str(info))
+    assert SafeReader(open_checkpoint(path)).page_cache_shared() is shared

@@ -17,7 +17,9 @@ from asyncckpt import AsyncCheckpointer, CheckpointError
 from asyncckpt.layout import LOCK_FILE
 from asyncckpt.save import mounts
 from asyncckpt.save.job_lock import FolderLocks, folder_to_lock
-from asyncckpt.save.mounts import local_flock, mount_of, parse_mountinfo
+from asyncckpt.save.mounts import local_flock
+from asyncckpt.storage import mounts as storage_mounts
+from asyncckpt.storage.mounts import mount_of, parse_mountinfo
 
 
 def _mode(path) -> int:
@@ -102,7 +104,7 @@ def test_a_root_whose_flock_is_local_to_this_host_is_warned_about_once(tmp_path,
     point = os.path.realpath(tmp_path)
     info = tmp_path / "mountinfo"
     info.write_text(MOUNTINFO + f"40 22 0:30 / {point} rw - nfs srv:/t rw,vers=3,local_lock=all\n")
-    monkeypatch.setattr(mounts, "MOUNTINFO", str(info))
+    monkeypatch.setattr(storage_mounts, "MOUNTINFO", str(info))
     monkeypatch.setattr(mounts, "_warned", set())
     locks = FolderLocks("a-job")
     with caplog.at_level(logging.WARNING, logger="asyncckpt"):
