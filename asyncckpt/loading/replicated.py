@@ -9,8 +9,8 @@ point over gloo, once per node (to one of its ranks, the relay, which checks it 
 the others of its node through a file in shared memory). To the ranks of its own node: through
 a file in shared memory (node_share.py) on an object store, while on a file system they read it
 themselves, through the page cache their node shares (`ReadShares.reads_itself`: the storage is
-read once per node, and copying from the cache is cheaper than any hand-over). Every item is
-checked against the sidecar's checksum by its reader; a rank that copies it from the memory it
+read once per node, and copying from the cache is cheaper than any hand-over). An item is
+checked against the sidecar's checksum by its reader (when the load checks checksums); a rank that copies it from the memory it
 was checked in (or from a relay's file, the relay having checked it against the reader's CRC32C)
 checks its length, one that received it over gloo its CRC32C too (or its load checks the
 sidecar's). No user flag: the plans say which ranks read what.
@@ -39,6 +39,19 @@ from .broadcast import LoadGroup
 from .byte_sources import ByteSource, SharedSource
 from .node_share import MemoryPayload, open_payload, payload_name
 from .read_shares import ReadShares, SharedItem
+
+
+def _verified(shares: ReadShares, told: list) -> dict[SharedItem, bool]:
+    """Whether each shared item's reader checked it against the sidecar (what it told), in one
+    pass over the items (each reader's in `ReadShares.layout` order): O(items), not readers x items."""
+    place: dict[int, int] = {}
+    verified = {}
+    for item in shares.items:
+        at = place.get(item.reader, 0)
+        place[item.reader] = at + 1
+        said = told[item.reader].verified
+        verified[item] = said[at] if at < len(said) else False
+    return verified
 
 
 @dataclass(frozen=True)
@@ -83,8 +96,7 @@ def share_reads(
         # what its reader checked against the sidecar's checksum, told by the reader: where this rank copies
         # it from the very memory it was checked in (or a relay checked it against the reader's CRC32C of
         # it), the load need not check it again
-        verified = {item: ok for reader in range(group.size) if told[reader].verified
-                    for item, ok in zip(shares.layout(reader)[0], told[reader].verified)}
+        verified = _verified(shares, told)
         checked = {item for item in mine if verified[item]}
         problems: list[str] = []
         by_memory: dict[int, list[SharedItem]] = {}  # inside this node first (no rank waits on another for

@@ -61,6 +61,8 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             self.state_dict[fqn] = obj
 
 
+LOCAL_FUSE = ("fuse.fuse-overlayfs", "fuseblk")  # FUSE file systems over this host's own disks
+
 class SafeReader(StorageReader):
     """A DCP StorageReader for checkpoints nobody here wrote, on any asyncckpt storage (local,
     msc://, s3://). It reads what stock FileSystemReader reads (torch.save items, stream
@@ -198,11 +200,13 @@ class SafeReader(StorageReader):
         network file system, not an object store): they read a shared item themselves, the
         node's storage reads done once by the cache (read_shares.ReadShares.reads_itself). Not
         on a FUSE mount (an object store mounted as files, e.g. mountpoint-s3 or gcsfuse, may
-        cache nothing): its node's ranks get a shared item through shared memory instead."""
+        cache nothing): its node's ranks get a shared item through shared memory instead; FUSE
+        over local disks (`LOCAL_FUSE`: fuse-overlayfs, the root of rootless containers; fuseblk)
+        is read through the page cache as any file system."""
         if not isinstance(self.opened.storage, LocalStorage):
             return False
         mount = mount_of_path(self.path)
-        return mount is None or not mount.fstype.startswith("fuse")
+        return mount is None or not mount.fstype.startswith("fuse") or mount.fstype in LOCAL_FUSE
 
     def _expected_crc(self, item: SharedItem) -> Optional[int]:
         return self.checksums.get((item.relative_path, item.offset, item.length))

@@ -545,11 +545,13 @@ def test_metadata_relayed_by_a_leader_reaches_every_node(tmp_path):
     assert not [n for n in set(os.listdir("/dev/shm")) - before if n.startswith("asyncckpt-load-")]
 
 
-@pytest.mark.parametrize("fstype, shared", [("ext4", True), ("nfs4", True), ("fuse.mountpoint-s3", False), ("fuse", False)])
+@pytest.mark.parametrize("fstype, shared", [("ext4", True), ("nfs4", True), ("fuse.mountpoint-s3", False), ("fuse", False),
+                                            ("fuse.fuse-overlayfs", True), ("fuseblk", True)])
 def test_only_a_file_system_with_a_page_cache_is_read_through_it_by_a_nodes_ranks(tmp_path, monkeypatch, fstype, shared):
     """A local path is read by each rank of a node itself (their page cache reads it once), but not
     on a FUSE mount: an object store mounted as files may cache nothing, so there the node's
-    ranks get a shared item through shared memory, as from the object store itself."""
+    ranks get a shared item through shared memory, as from the object store itself (FUSE over
+    local disks, a rootless container's fuse-overlayfs root or fuseblk, is a file system)."""
     from asyncckpt.loading.opened import open_checkpoint
     from asyncckpt.loading.safe_reader import SafeReader
     from asyncckpt.storage import mounts
