@@ -164,7 +164,8 @@ class SharedSource(ByteSource):
                  checked: frozenset[tuple[str, int, int]] = frozenset()) -> None:
         """`held`: the bytes held, by (file path, offset). `checked`: the (file path, offset,
         length) of those whose checksum was checked where this rank copies them from (the memory
-        its reader read them into), which the load need not check again."""
+        its reader read them into, or a relay received them into), which the load need not check
+        again."""
         self.base = base
         self.checked = checked
         self.threads, self.piece_bytes = base.threads, base.piece_bytes

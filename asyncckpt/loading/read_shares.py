@@ -63,12 +63,11 @@ class ReadShares:
 
     def layout(self, reader: int) -> tuple[list[SharedItem], dict[SharedItem, int]]:
         """The items `reader` reads, in order, and where each lies in its payload."""
-        items = [item for item in self.items if item.reader == reader]
-        at, where = 0, {}
-        for item in items:
-            where[item] = at
-            at += item.length
-        return items, where
+        return _end_to_end([item for item in self.items if item.reader == reader])
+
+    def relay_layout(self, rank: int) -> tuple[list[SharedItem], dict[SharedItem, int]]:
+        """The items `rank` relays to its node, in order, and where each lies in its relay file."""
+        return _end_to_end(self.relayed(rank))
 
     def reads_itself(self, rank: int, reader: int) -> bool:
         """Whether `rank` reads the items of `reader` from storage itself: the ranks of one node
@@ -102,7 +101,8 @@ class ReadShares:
         return on_node[_place(members, reader) % len(on_node)] if len(on_node) >= 2 else None
 
     def relayed(self, rank: int) -> list[SharedItem]:
-        """The items `rank` relays to its node, in the order they lie in its relay file."""
+        """The items `rank` relays to its node, in the order they lie in its relay file (the
+        order of the rounds, in which it receives them)."""
         return [item for members, reader, items in self.rounds()
                 if rank in members and self.relay(members, reader, rank) == rank for item in items]
 
@@ -194,6 +194,15 @@ def assign_shared_reads(plans: list[LoadPlan], metadata: Metadata, budget: int =
         return plans
     shares = replace(shares, items=tuple(sorted(shared, key=lambda s: (s.relative_path, s.offset))))
     return [replace(plan, storage_data=shares) for plan in plans]
+
+
+def _end_to_end(items: list[SharedItem]) -> tuple[list[SharedItem], dict[SharedItem, int]]:
+    """`items` and where each begins when they are laid end to end in one file."""
+    at, where = 0, {}
+    for item in items:
+        where[item] = at
+        at += item.length
+    return items, where
 
 
 def _place(members: Ranks, rank: int) -> int:

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import CheckpointError, PartialLoadError
-from ..formats import CHECKSUM_ALGORITHM, Sidecar, crc32c
+from ..formats import Sidecar, crc32c
 from .broadcast import LoadGroup
 from .byte_sources import ByteSource, SharedSource
 from .node_share import MemoryPayload, open_payload, payload_name
@@ -77,7 +77,7 @@ def share_reads(
     `shares`. Nothing of the caller's state is written here."""
     me, pid = group.rank, os.getpid()
     mine, where = shares.layout(me)
-    relayed = shares.relayed(me)
+    relayed, relayed_at = shares.relay_layout(me)
     payload = relay_file = None
     got: dict[SharedItem, bytes] = {}
     try:
@@ -109,13 +109,12 @@ def share_reads(
                                                        f"read by rank {reader}")):
                 checked.update(item for item in items if verified[item])
         later = lambda item: sidecar is not None and expected_crc(item) is not None  # noqa: E731 (its load checks it)
-        relays = _gloo_rounds(shares, group, told, got, crcs, relay_file, later, problems)
+        relays = _gloo_rounds(shares, group, told, got, crcs, (relay_file, relayed_at), later, problems)
         checked.update(item for item in relayed if relay_file is not None and item in got and verified[item])
         if any(t.relaying for t in told):  # every relay holds its node's items: the ranks of its node map them
             _raise_failures(group, [t.error for t in _exchange(group, ReadOutcome("; ".join(problems) or None))])
             for relay, items in relays.items():
-                order = shares.relayed(relay)
-                at = dict(zip(order, _offsets(order)))
+                order, at = shares.relay_layout(relay)
                 if _receive(got, problems, lambda: _mapped(shares, relay, told[relay], order, at, items, lambda i: True,
                                                            f"relayed by rank {relay}", "relay")):
                     checked.update(item for item in items if verified[item])
@@ -130,16 +129,17 @@ def share_reads(
 
 
 def _gloo_rounds(shares: ReadShares, group: LoadGroup, told: list, got: dict, crcs: dict,
-                 relay_file: Optional[MemoryPayload], later: Callable[[SharedItem], bool],
+                 relay: tuple[Optional[MemoryPayload], dict[SharedItem, int]], later: Callable[[SharedItem], bool],
                  problems: list[str]) -> dict[int, list[SharedItem]]:
     """Every round's items to the ranks that do not get them inside the reader's node: to each
     other node's relay (which receives them into its relay file and checks each against the
     reader's CRC32C of it, for its node) where it has one, else to each rank (which checks each
     item's CRC32C unless its load checks the sidecar's checksum of it: `later`). Returns the
-    items this rank is to map from its node's relays, by relay."""
+    items this rank is to map from its node's relays, by relay. `relay`: this rank's relay file
+    and where each item it relays lies in it (`ReadShares.relay_layout`)."""
     me = group.rank
+    relay_file, relay_at = relay
     from_relays: dict[int, list[SharedItem]] = {}
-    relay_at = 0
     for members, reader, items in shares.rounds():
         def on_its_node(m: int) -> bool:  # through its payload, or the page cache
             return shares.reads_itself(m, reader) or (told[reader].in_memory and shares.same_node(m, reader))
@@ -151,8 +151,8 @@ def _gloo_rounds(shares: ReadShares, group: LoadGroup, told: list, got: dict, cr
             if node < 0:
                 return None
             if node not in known:
-                relay = shares.relay(members, reader, m)
-                known[node] = relay if relay is not None and told[relay].relaying else None
+                chosen = shares.relay(members, reader, m)
+                known[node] = chosen if chosen is not None and told[chosen].relaying else None
             return known[node]
 
         if me == reader:
@@ -160,15 +160,14 @@ def _gloo_rounds(shares: ReadShares, group: LoadGroup, told: list, got: dict, cr
             if to:
                 _send_round(items, got, crcs, group, to)
         elif me in members and not on_its_node(me):
-            relay = relay_of(me)
-            if relay is None:
+            its_relay = relay_of(me)
+            if its_relay is None:
                 _receive(got, problems, lambda: _receive_round(items, reader, group, later))
-            elif relay == me:  # into the relay file, each item checked whole: its node's ranks take it as is
-                into = relay_file.view(relay_at, sum(item.length for item in items))
-                relay_at += len(into)
+            elif its_relay == me:  # into the relay file, each item checked whole: its node's ranks take it as is
+                into = relay_file.view(relay_at[items[0]], sum(item.length for item in items))
                 _receive(got, problems, lambda: _receive_round(items, reader, group, lambda _: False, into))
             else:
-                from_relays.setdefault(relay, []).extend(items)
+                from_relays.setdefault(its_relay, []).extend(items)
     return from_relays
 
 
@@ -187,7 +186,7 @@ def _read_own(items, files, source, expected_crc, sidecar: Optional[Sidecar], pa
         expected = expected_crc(item) if sidecar is not None else None
         if expected is not None and sidecar.checksum(data) != expected:
             raise CheckpointError(f"{what}: checksum mismatch (expected {expected:08x})")
-        crc = expected if expected is not None and sidecar.algorithm == CHECKSUM_ALGORITHM else crc32c(data)
+        crc = expected if expected is not None and sidecar.algorithm == "crc32c" else crc32c(data)  # (the receivers' CRC)
         return data, crc, expected is not None
     if not items:
         return {}, outcome
@@ -213,14 +212,6 @@ def _mapped(shares: ReadShares, rank: int, told: ReadOutcome, order: list[Shared
         data = view[at[item]:at[item] + item.length]
         _check(item, data, crc_of.get(item), skip_crc, f"{whence} (in {path})")
         out[item] = data
-    return out
-
-
-def _offsets(items: list[SharedItem]) -> list[int]:
-    at, out = 0, []
-    for item in items:
-        out.append(at)
-        at += item.length
     return out
 
 

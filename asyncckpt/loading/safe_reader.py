@@ -63,6 +63,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
 LOCAL_FUSE = ("fuse.fuse-overlayfs", "fuseblk")  # FUSE file systems over this host's own disks
 
+
 class SafeReader(StorageReader):
     """A DCP StorageReader for checkpoints nobody here wrote, on any asyncckpt storage (local,
     msc://, s3://). It reads what stock FileSystemReader reads (torch.save items, stream
