@@ -163,9 +163,9 @@ class SharedSource(ByteSource):
     def __init__(self, base: ByteSource, held: dict[tuple[str, int], bytes | memoryview],
                  checked: frozenset[tuple[str, int, int]] = frozenset()) -> None:
         """`held`: the bytes held, by (file path, offset). `checked`: the (file path, offset,
-        length) of those whose checksum was checked where this rank copies them from (the memory
-        its reader read them into, or a relay received them into), which the load need not check
-        again."""
+        length) of items whose checksum was checked where this rank copies them from (the memory
+        its reader read them into, a relay received them into, or the page cache of its node,
+        which its reader read them through), which the load need not check again."""
         self.base = base
         self.checked = checked
         self.threads, self.piece_bytes = base.threads, base.piece_bytes

@@ -52,6 +52,20 @@ class ReadShares:
     node_runs: tuple[tuple[int, int], ...] = ()
     nonce: str = ""
     page_cache: bool = False  # a file system: the ranks of a node read their reader's items themselves
+    # on a file system, items only ranks of one node read: each of them reads the item itself through
+    # the node's page cache, and the item's `reader` alone checks its checksum (`checked_elsewhere`)
+    checked: tuple[SharedItem, ...] = ()
+
+    @property
+    def any_shared(self) -> bool:
+        """Whether some item's bytes go from its reader to other ranks (share_reads has work)."""
+        return bool(self.items)
+
+    def checked_elsewhere(self, rank: int) -> set[tuple[str, int, int]]:
+        """(file, offset, length) of the items `rank` reads through its node's page cache whose
+        checksum another rank of the node checks: the same cached bytes need one check a node,
+        not one a rank (a damaged item fails that rank's load, and so every rank's)."""
+        return {(i.relative_path, i.offset, i.length) for i in self.checked if i.reader != rank}
 
     def node(self, rank: int) -> int:
         at = bisect.bisect_right(self.node_runs, (rank, sys.maxsize)) - 1
@@ -151,7 +165,7 @@ def assign_shared_reads(plans: list[LoadPlan], metadata: Metadata, budget: int =
     once; then O(log ranks) per item: at 16,384 DDP ranks the coordinator does no ranks x items
     work (DCP's gather of the plans does it once already). `page_cache`: the checkpoint is on a
     file system, whose page cache the ranks of a node share (`ReadShares.reads_itself`): an item
-    only ranks of one node read is not shared."""
+    only ranks of one node read is not shared: each reads it, one of them checks it (`checked`)."""
     infos = metadata.storage_data
     shares = ReadShares((), _node_runs(plans), uuid.uuid4().hex[:12], page_cache)
     groups: dict[object, list[int]] = {}
@@ -170,29 +184,34 @@ def assign_shared_reads(plans: list[LoadPlan], metadata: Metadata, budget: int =
     load: dict[int, int] = {}  # bytes each rank reads for others so far
     sets: dict[tuple[int, ...], Optional[Ranks]] = {}
     heaps: dict[tuple[int, ...], list[tuple[int, int]]] = {}  # per set of members: (its load when pushed, rank)
+    through_cache: dict[tuple[int, ...], bool] = {}  # per set: its ranks read through one page cache
     shared: list[SharedItem] = []
+    checked: list[SharedItem] = []
     held = 0
     for (path, offset, length), readers in sorted(readers_of.items(), key=lambda kv: -kv[0][2]):
         members = tuple(readers[0]) if len(readers) == 1 else tuple(sorted(r for ranks in readers for r in ranks))
-        if len(members) < 2 or held + length > budget:
+        if len(members) < 2:
             continue
         if members not in sets:
-            if page_cache and _one_node(members, shares):
-                sets[members] = None  # they read it through their page cache
-                continue
+            through_cache[members] = page_cache and _one_node(members, shares)
             sets[members] = _compact(members)
             heaps[members] = [(load.get(r, 0), r) for r in members]
             heapq.heapify(heaps[members])
-        if sets[members] is None:
-            continue
+        if not through_cache[members] and held + length > budget:
+            continue  # (read by every rank that needs it)
         reader = _least_loaded(heaps[members], load)  # spread: ~1/k of the bytes each
         load[reader] = load.get(reader, 0) + length
         heapq.heappush(heaps[members], (load[reader], reader))
-        held += length
-        shared.append(SharedItem(path, offset, length, reader, sets[members]))
-    if not shared:
+        item = SharedItem(path, offset, length, reader, sets[members])
+        if through_cache[members]:
+            checked.append(item)  # they read it through their page cache; `reader` checks it
+        else:
+            held += length
+            shared.append(item)
+    if not shared and not checked:
         return plans
-    shares = replace(shares, items=tuple(sorted(shared, key=lambda s: (s.relative_path, s.offset))))
+    in_order = lambda items: tuple(sorted(items, key=lambda s: (s.relative_path, s.offset)))  # noqa: E731
+    shares = replace(shares, items=in_order(shared), checked=in_order(checked))
     return [replace(plan, storage_data=shares) for plan in plans]
 
 

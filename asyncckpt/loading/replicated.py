@@ -98,6 +98,9 @@ def share_reads(
         # it), the load need not check it again
         verified = _verified(shares, told)
         checked = {item for item in mine if verified[item]}
+        for members, reader, items in shares.rounds():  # read through the page cache the reader checked them in
+            if me in members and shares.reads_itself(me, reader):
+                checked.update(item for item in items if verified[item])
         problems: list[str] = []
         by_memory: dict[int, list[SharedItem]] = {}  # inside this node first (no rank waits on another for
         for members, reader, items in shares.rounds():  # them), each reader's payload mapped once

@@ -163,9 +163,10 @@ class SafeReader(StorageReader):
             if any(req.type == LoadItemType.BYTE_IO for req in plan.items):
                 raise CheckpointError(f"{self.path}: objects are unpickled by the planner: use SafeLoadPlanner, or {TRUST_HINT}")
         shares = plan.storage_data if isinstance(plan.storage_data, ReadShares) else None  # resume at scale
+        sharing = shares is not None and shares.any_shared and self.shared_by is not None
         per_file: dict[str, list[ReadItem]] = {}
         files = self.opened.files
-        with failures_told(shares, self.shared_by):  # a rank failing here fails the ranks it shares reads with
+        with failures_told(shares if sharing else None, self.shared_by):  # a rank failing here fails the ranks it shares reads with
             for req in plan.items:
                 per_file.setdefault(self.metadata.storage_data[req.storage_index].relative_path, []).append(req)
             for relative_path, reqs in per_file.items():  # every range checked before anything is read
@@ -178,10 +179,15 @@ class SafeReader(StorageReader):
             items = [self._item_read(files[info_path], req, planner) for info_path, reqs in per_file.items() for req in reqs]
         sidecar = self.sidecar if self.checksums else None
         source = self._source()
-        if shares is not None and self.shared_by is not None:  # resume at scale: read once, broadcast (replicated.py)
+        if sharing:  # resume at scale: read once, broadcast (replicated.py)
             source = share_reads(shares, self.shared_by, files, source, self._expected_crc, sidecar)
             for item in items:  # checked by the rank that read them, in the memory this rank copies them from
                 if (item.path, item.start, item.length) in source.checked:
+                    item.expected_crc = None
+        if shares is not None and shares.checked and self.shared_by is not None:
+            elsewhere = {(files[path], offset, length) for path, offset, length in shares.checked_elsewhere(self.shared_by.rank)}
+            for item in items:  # read through the page cache of a node whose other rank checks them
+                if item.req.type != LoadItemType.BYTE_IO and (item.path, item.start, item.length) in elsewhere:
                     item.expected_crc = None
         objects = [item for item in items if item.req.type == LoadItemType.BYTE_IO]
         unread = items

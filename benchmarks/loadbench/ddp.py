@@ -2,7 +2,9 @@
 (asyncckpt.load with the job's process group: `.metadata` read by one rank, each item by one rank
 for the ranks of other nodes; on one node with a file system the ranks read through the page
 cache, on an object store through the reader's /dev/shm file) against every rank reading on its
-own (`no_dist=True`), taken in turns in one run of the same ranks. Figures: seconds from a barrier
+own (`no_dist=True`) and against stock `dcp.load` with the job's process group (every rank reads
+`.metadata` and every item, DCP's collectives, no checksums: what a DDP job resumes with
+otherwise; local checkpoints only), taken in turns in one run of the same ranks. Figures: seconds from a barrier
 to the last rank done (median of the rounds); the bytes all ranks asked the storage for together
 over the checkpoint's size (counted in each rank at the reader's positional reads and the
 storage's whole-file reads: above the page cache); and, cold, the bytes the ranks' reads fetched
@@ -24,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-MODES = ("every rank reads", "shared (read once)")
+MODES = ("every rank reads", "shared (read once)", "stock dcp.load (process group)")
 
 
 @dataclass
@@ -33,7 +35,7 @@ class DdpRow:
     ranks: int
     cold_s: Optional[float]
     warm_s: Optional[float]
-    bytes_over_checkpoint: float  # storage bytes all ranks read / the checkpoint's item bytes
+    bytes_over_checkpoint: Optional[float]  # storage bytes all ranks read / the checkpoint's item bytes
     disk_over_checkpoint: Optional[float] = None  # cold: bytes fetched from the disk / the checkpoint's
 
 
@@ -105,8 +107,12 @@ def _rank(rank: int, world: int, store: str, path: str, rounds: int, out: str) -
     times: dict[str, dict[str, list[float]]] = {m: {"cold": [], "warm": []} for m in MODES}
     read: dict[str, list[int]] = {m: [] for m in MODES}
     disk: dict[str, list[Optional[int]]] = {m: [] for m in MODES}  # cold loads only
-    loads = {MODES[0]: lambda: asyncckpt.load(target, path, no_dist=True), MODES[1]: lambda: asyncckpt.load(target, path)}
+    import torch.distributed.checkpoint as dcp
+
     local = "://" not in path
+    loads = {MODES[0]: lambda: asyncckpt.load(target, path, no_dist=True), MODES[1]: lambda: asyncckpt.load(target, path)}
+    if local:
+        loads[MODES[2]] = lambda: dcp.load(target, checkpoint_id=path)
     for _ in range(rounds):
         for mode in ("cold", "warm") if local else ("warm",):
             for method, load in loads.items():
@@ -130,7 +136,7 @@ def _rank(rank: int, world: int, store: str, path: str, rounds: int, out: str) -
             rows = [t[which][method] for t in totals]
             return [None if any(r[i] is None for r in rows) else sum(r[i] for r in rows) for i in range(len(rows[0]))]
         with open(out, "w") as f:
-            json.dump({"times": times, "read": {m: summed(0, m) for m in MODES}, "disk": {m: summed(1, m) for m in MODES}}, f)
+            json.dump({"times": times, "read": {m: summed(0, m) for m in loads}, "disk": {m: summed(1, m) for m in loads}}, f)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -155,11 +161,11 @@ def ddp_rows(path: str, ranks: int = 4, rounds: int = 3, stored_at: Optional[str
     def median(values: list) -> Optional[float]:
         return statistics.median(values) if values and None not in values else None
     on = " (s3)" if "://" in where else ""
-    return [
+    return [  # (stock DCP's reads are not counted above the page cache: it reads every item on every rank)
         DdpRow(f"{ranks}-rank DDP restart{on}, {method}", ranks, median(found["times"][method]["cold"]),
-               median(found["times"][method]["warm"]), max(found["read"][method]) / stored,
+               median(found["times"][method]["warm"]), None if method == MODES[2] else max(found["read"][method]) / stored,
                None if median(found["disk"][method]) is None else median(found["disk"][method]) / stored)
-        for method in MODES
+        for method in MODES if method in found["read"]
     ]
 
 

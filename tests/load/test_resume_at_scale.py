@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from asyncckpt import CheckpointError, load
 from asyncckpt.layout import METADATA_FILE
-from conftest import assert_state_equal, pid_of_an_exited_process, saved_step_one
+from conftest import assert_state_equal, damaged_copy, pid_of_an_exited_process, saved_step_one
 from multirank import run_ranks
 
 WORLD = 4
@@ -125,6 +125,17 @@ def stored_bytes(path: str) -> int:
     from asyncckpt.loading.opened import open_checkpoint
 
     return sum(info.length for info in open_checkpoint(path).metadata.storage_data.values())
+
+
+def object_bytes(path: str) -> int:
+    """The bytes of the objects (not tensors) the checkpoint's .metadata names."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    from asyncckpt.loading.opened import open_checkpoint
+
+    metadata = open_checkpoint(path).metadata
+    return sum(info.length for index, info in metadata.storage_data.items()
+               if isinstance(metadata.state_dict_metadata[index.fqn], BytesStorageMetadata))
 
 
 def test_ddp_resume_reads_metadata_once_and_every_byte_once_per_job(tmp_path):
@@ -342,10 +353,12 @@ def test_ranks_of_one_node_share_through_shared_memory_and_other_nodes_through_g
 def test_ranks_of_one_node_read_a_file_system_through_its_page_cache(tmp_path, nodes):
     """On a file system the ranks of one node read what they load themselves: the node's page
     cache reads the storage once for them, and each rank copying from it is cheaper than any
-    hand-over (a reader's /dev/shm payload measured 2.2-2.8x slower on one node). One node: no
-    item is handed over at all, every rank checks what it read. Two nodes: each item is read from
-    storage on one node only (by its reader and its node's other rank) and sent to the other node
-    once (to one rank, which hands it to the other through /dev/shm)."""
+    hand-over (a reader's /dev/shm payload measured 2.2-2.8x slower on one node). The node's
+    ranks read the same cached bytes, so one of them checks each item's checksum (spread: each
+    checks some), not every one. One node: no item is handed over at all. Two nodes: each item is
+    read from storage on one node only (by its reader and its node's other rank, which does not
+    check it again) and sent to the other node once (to one rank, which hands it to the other
+    through /dev/shm)."""
     path = saved_step_one(str(tmp_path / "root"), replicated_state())
     out = tmp_path / "counts"
     out.mkdir()
@@ -358,14 +371,44 @@ def test_ranks_of_one_node_read_a_file_system_through_its_page_cache(tmp_path, n
     relayed, checksummed = [c["got"]["relay"] for c in counts], [c["checksummed"] for c in counts]
     if nodes == "one":  # every rank read all (and the archives' headers to find the tensors: more than `total`)
         assert read == [read[0]] * WORLD and read[0] >= total and by_gloo == [0] * WORLD, counts
-        assert checksummed == [total] * WORLD, counts  # every rank checked all it loaded once
+        # each tensor item once, by one rank (objects, a few bytes read before any tensor, by every rank)
+        objects = object_bytes(path)
+        assert sum(checksummed) == total + (WORLD - 1) * objects and all(objects < c < total for c in checksummed), counts
     else:  # the ranks of a node read the same (their node's items, no other) and got the other node's once by gloo
         assert read[0] == read[1] and read[2] == read[3] and total <= read[0] + read[2] < 2 * total, counts
         node0, node1 = by_gloo[0] + by_gloo[1], by_gloo[2] + by_gloo[3]
         assert node0 > 0 and node1 > 0 and node0 + node1 == total, counts
         assert relayed[0] + relayed[1] == node0 and relayed[2] + relayed[3] == node1, counts
-        # each node's two ranks check its own items, the relay the other node's as they arrive
-        assert sum(checksummed) == 2 * total + sum(by_gloo), counts
+        # each item is checked by its reader, and by the relay that receives it for the other node
+        assert sum(checksummed) == total + sum(by_gloo), counts
+
+
+def _load_a_damaged_item_on_one_node(rank: int, world: int, path: str, out: str) -> None:
+    as_nodes("node0")
+    checks = []
+    from asyncckpt.formats import Sidecar
+    checksum = Sidecar.checksum
+    Sidecar.checksum = lambda sidecar, data, value=0: checks.append(len(data)) or checksum(sidecar, data, value)
+    state = zeroed(replicated_state())
+    with pytest.raises(CheckpointError, match=r"layer3\.weight.*checksum mismatch") as raised:
+        load(state, path)
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump({"error": str(raised.value), "type": type(raised.value).__name__, "checks": len(checks)}, f)
+
+
+def test_an_item_damaged_on_disk_fails_every_rank_of_a_node_though_one_checks_it(tmp_path):
+    """One rank of a node checks each item the node's ranks read through its page cache: when
+    that item is damaged, every rank's load fails naming it (the others copied the damaged bytes
+    unchecked: their state is partly loaded, and says so)."""
+    path = damaged_copy(saved_step_one(str(tmp_path / "root"), replicated_state()), str(tmp_path / "damaged"),
+                        "layer3.weight")
+    out = tmp_path / "raised"
+    out.mkdir()
+    run_ranks(_load_a_damaged_item_on_one_node, WORLD, path, str(out))
+    told = [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    assert all(t["type"] == "PartialLoadError" and "PARTLY LOADED" in t["error"] for t in told), told
+    assert len({t["error"].split(": ", 1)[1] for t in told}) == 1, told  # the same cause on every rank
+    assert sum(t["checks"] for t in told) < WORLD * 8, told  # (not every rank checked every item)
 
 
 def test_a_payload_file_whose_process_is_gone_is_removed_by_the_next_reader(tmp_path, monkeypatch):
@@ -454,9 +497,14 @@ def test_the_plans_stay_small_at_thousands_of_ranks(layout):
     on_file_system = assign_shared_reads(plans, SimpleNamespace(storage_data=storage), page_cache=True)
     assert len(on_file_system[0].storage_data.items) == items and on_file_system[0].storage_data.page_cache
     one_node = plans[:per_node]
-    assert assign_shared_reads(one_node, SimpleNamespace(storage_data=storage), page_cache=True) is one_node
-    if layout == "ddp":  # (HSDP's first eight ranks share nothing: 16 shards)
+    on_one_node = assign_shared_reads(one_node, SimpleNamespace(storage_data=storage), page_cache=True)
+    if layout == "ddp":  # nothing handed over: each rank reads through the cache, one checks each item (spread)
+        through_cache = on_one_node[0].storage_data
+        assert through_cache.items == () and len(through_cache.checked) == items
+        assert {i.reader for i in through_cache.checked} == set(range(per_node))
         assert assign_shared_reads(one_node, SimpleNamespace(storage_data=storage)) is not one_node
+    else:  # (HSDP's first eight ranks read nothing twice: 16 shards)
+        assert on_one_node is one_node
 
 
 def test_each_other_node_gets_a_round_through_one_relay():
