@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Mapping, Optional, Protocol
 
 import torch
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
@@ -51,13 +51,24 @@ def expand_statefuls(state_dict: dict[str, Any]) -> dict[str, Any]:
     return {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state_dict.items()}
 
 
+class LoadingRanks(Protocol):
+    """The small collectives of the ranks that load together."""
+
+    def any(self, flag: bool) -> bool:
+        """Whether `flag` is true on some rank (an all-reduce of one number)."""
+
+    def gather(self, obj: Any) -> list:
+        """Every rank's `obj` (an all-gather of small objects)."""
+
+
 def receive_everything(target: dict[str, Any], metadata: Metadata, path: str, strict: bool,
-                       gather: Optional[Callable[[Any], list]] = None) -> Filled:
+                       ranks: Optional[LoadingRanks] = None) -> Filled:
     """Make `target` (expanded) able to receive every saved entry under the keys it names, or
     raise CheckpointError naming those it cannot (with `strict=False`: load what it can).
-    `gather`: an all_gather over the loading ranks (None: this process loads alone). An entry
-    another rank's target holds (a rank's own entries, e.g. `dataloader.dp_rank_3`) is received:
-    every rank reaches the same verdict, at one small collective (two when an entry lacks)."""
+    `ranks`: the loading ranks (None: this process loads alone). An entry another rank's target
+    holds (a rank's own entries, e.g. `dataloader.dp_rank_3`) is received: every rank reaches the
+    same verdict, at one all-reduce of a number when no rank lacks an entry (three collectives when
+    one does)."""
     filled = Filled()
     try:  # (a Ctrl-C or a failed gather: the placeholders go, nothing of the state is changed)
         if strict:
@@ -66,10 +77,10 @@ def receive_everything(target: dict[str, Any], metadata: Metadata, path: str, st
         saved = metadata.state_dict_metadata
         keys = set(map(str, target))
         lacking = {fqn for fqn in saved if fqn not in held and _named(target, fqn, keys)}
-        if gather is not None:
-            lacking = set().union(*gather(sorted(lacking)))
-            if lacking:  # every rank agrees it is so: each says which of them it holds
-                lacking -= set().union(*gather(sorted(lacking & held)))
+        if ranks is not None and ranks.any(bool(lacking)):
+            lacking = set().union(*ranks.gather(sorted(lacking)))
+            # every rank agrees it is so: each says which of them it holds
+            lacking -= set().union(*ranks.gather(sorted(lacking & held)))
     except BaseException:
         filled.undo()
         raise
@@ -83,7 +94,7 @@ def receive_everything(target: dict[str, Any], metadata: Metadata, path: str, st
     if lacking:
         log.info("loading %s partly (strict=False): %d saved entries left out", path, len(lacking))
     left_out = sorted({fqn.partition(".")[0] for fqn in saved if fqn not in held and not _named(target, fqn, keys)})
-    if left_out and gather is None:
+    if left_out and ranks is None:
         log.info("loading %s: saved entries under %s not loaded (the target does not name them)",
                  path, ", ".join(left_out[:8]))
     return filled

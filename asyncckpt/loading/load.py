@@ -11,6 +11,7 @@ import logging
 import warnings
 from typing import Any, Iterator, Optional
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
@@ -91,8 +92,8 @@ def load(
     use_dist = not no_dist and dist.is_available() and dist.is_initialized()
     with interrupted_before_changes(path):  # Ctrl-C from here to the load's own handling says so too
         target = expand_statefuls(state_dict)
-        gather = _all_gather(process_group) if use_dist and dist.get_world_size(process_group) > 1 else None
-        filled = receive_everything(target, reader.read_metadata(), path, strict, gather)
+        ranks = _Ranks(process_group) if use_dist and dist.get_world_size(process_group) > 1 else None
+        filled = receive_everything(target, reader.read_metadata(), path, strict, ranks)
         try:
             problems = verify_checkpoint(opened) if verify and opened is not None else []
         except BaseException:
@@ -130,12 +131,22 @@ def load(
         raise CheckpointError(f"loading {path!r} failed: {causes}; {NOT_CHANGED}") from exc
 
 
-def _all_gather(group):
-    def gather(obj):
-        out = [None] * dist.get_world_size(group)
-        dist.all_gather_object(out, obj, group=group)
+class _Ranks:
+    """completeness.LoadingRanks over `group` (the caller's: gloo, or NCCL with CUDA tensors)."""
+
+    def __init__(self, group) -> None:
+        self.group = group
+
+    def any(self, flag: bool) -> bool:
+        nccl = "nccl" in str(dist.get_backend(self.group))
+        vote = torch.tensor([int(flag)], device=torch.device("cuda", torch.cuda.current_device()) if nccl else "cpu")
+        dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=self.group)  # (an object all-gather: ~7x the time)
+        return bool(vote.item())
+
+    def gather(self, obj) -> list:
+        out = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(out, obj, group=self.group)
         return out
-    return gather
 
 
 def _describe(exc: BaseException) -> str:

@@ -7,9 +7,9 @@ the network), and inside a node loopback TCP costs several copies a byte. Here t
 sends them to one rank of each other node (the node's first rank, its "leader"), leader to
 leader along a binomial tree (point to point over the load's group: no subgroup to make, each
 leader sends at most log2(nodes) times); each leader puts them in one file under /dev/shm
-(node_share.MemoryPayload) and the ranks of its node map that file. Two small all-gathers tell
-every rank where its leader's file is, then that every rank holds its bytes (the leaders then
-remove their files). Where a leader's /dev/shm has no room (Docker's 64 MiB) or a rank cannot
+(node_share.MemoryPayload) and the ranks of its node map that file. An all-gather of a few
+numbers per rank tells every rank where its leader's file is, then an all-reduce of one that
+every rank holds its bytes (the leaders then remove their files). Where a leader's /dev/shm has no room (Docker's 64 MiB) or a rank cannot
 map its leader's file, every rank gets the bytes through the plain broadcast instead.
 
 Nodes are node_share.node_key's (one boot of a machine seen through one /dev/shm). Where every
@@ -79,10 +79,17 @@ def tree_parent(index: int) -> int:
 
 @dataclass(frozen=True)
 class Placed:
-    """Where a leader put the bytes for its node (a leader with no room there tells None instead)."""
+    """Where a leader put the bytes for its node (a leader with no room there tells None instead):
+    the file `_place` made (its name from the leader's rank, process and a random token)."""
 
-    path: str
+    rank: int
+    pid: int
+    token: int
     lengths: tuple[int, ...]
+
+    @property
+    def path(self) -> str:
+        return payload_name(f"meta{self.token:08x}", self.rank, self.pid)
 
 
 def spread_blobs(blobs: Optional[Blobs], count: int, group, what: str, keys: Sequence[str],
@@ -96,22 +103,25 @@ def spread_blobs(blobs: Optional[Blobs], count: int, group, what: str, keys: Seq
     ranks_of = Counter(nodes.leader_of)
     sharing = [r for r in nodes.leaders if ranks_of[r] > 1]  # leaders of nodes of several ranks
     payload: Optional[MemoryPayload] = None
+    here: Optional[Placed] = None
     try:
         if leader == group.rank:
             blobs = _along_the_tree(blobs, count, group, nodes, what)
-            payload = _place(blobs, group.rank) if group.rank in sharing else None
-        placed = _all_gather(group, Placed(payload.path, blob_lengths(blobs)) if payload else None, what)
+            if group.rank in sharing:
+                here = Placed(group.rank, os.getpid(), secrets.randbits(32), blob_lengths(blobs))
+                payload = _place(blobs, here)
+        placed = _all_gather_placed(group, here if payload is not None else None, count, what)
         if any(placed[r] is None for r in sharing):
             mine = None  # (a node has no room: every rank takes the plain broadcast below)
         elif leader == group.rank:
             mine = blobs
         else:
             mine = _mapped(placed[leader])
-        held = _all_gather(group, mine is not None, what)
+        held = _every_rank(group, mine is not None, what)
     finally:
         if payload is not None:
             payload.remove()  # (every rank holds its bytes, or goes by the broadcast; mappings stay valid)
-    if all(held):
+    if held:
         log.debug("%s: shared through /dev/shm by %d node(s)", what, len(nodes.leaders))
         return mine
     log.debug("%s: a node could not share through /dev/shm; every rank gets the broadcast", what)
@@ -149,6 +159,28 @@ def _p2p(run: Callable[[], object], what: str, peer: int) -> None:
         raise CheckpointError(f"{what}: passing it on with rank {peer} failed ({type(exc).__name__}: {exc})") from None
 
 
+def _all_gather_placed(group, mine: Optional[Placed], count: int, what: str) -> list[Optional[Placed]]:
+    """Every rank's `Placed` (None: it placed nothing), in one all-gather of a few numbers each (an
+    all-gather of objects costs ~2x, pickling aside)."""
+    row = [1, mine.pid, mine.token, *mine.lengths] if mine is not None else [0] * (3 + count)
+    rows = [torch.empty(3 + count, dtype=torch.int64) for _ in range(group.size)]
+    try:
+        dist.all_gather(rows, torch.tensor(row, dtype=torch.int64), group=group.pg)
+    except Exception as exc:
+        raise CheckpointError(f"{what}: sharing it inside the nodes failed ({type(exc).__name__}: {exc})") from None
+    return [Placed(rank, int(r[1]), int(r[2]), tuple(r[3:].tolist())) if int(r[0]) else None for rank, r in enumerate(rows)]
+
+
+def _every_rank(group, flag: bool, what: str) -> bool:
+    """Whether `flag` is true on every rank (an all-reduce of one number)."""
+    vote = torch.tensor([int(flag)], dtype=torch.int64)
+    try:
+        dist.all_reduce(vote, op=dist.ReduceOp.MIN, group=group.pg)
+    except Exception as exc:
+        raise CheckpointError(f"{what}: sharing it inside the nodes failed ({type(exc).__name__}: {exc})") from None
+    return bool(vote.item())
+
+
 def _all_gather(group, mine, what: str) -> list:
     every: list = [None] * group.size
     try:
@@ -178,10 +210,10 @@ def cut_blobs(data: memoryview, lengths: Sequence[int]) -> Blobs:
     return out
 
 
-def _place(blobs: Blobs, rank: int) -> Optional[MemoryPayload]:
-    """The blobs one after another in a file under /dev/shm (None: no room there)."""
+def _place(blobs: Blobs, placed: Placed) -> Optional[MemoryPayload]:
+    """The blobs one after another in the file under /dev/shm `placed` names (None: no room there)."""
     size = sum(max(n, 0) for n in blob_lengths(blobs))
-    payload = MemoryPayload.create(payload_name(f"meta{secrets.token_hex(4)}", rank, os.getpid()), size)
+    payload = MemoryPayload.create(placed.path, size)
     if payload is None:
         return None
     try:

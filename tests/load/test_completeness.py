@@ -103,9 +103,10 @@ def test_a_ctrl_c_while_the_ranks_agree_on_what_lacks_leaves_no_placeholder(save
     state = {"model": model.state_dict(), "optim": optimizer.state_dict()}
     path = step_path(root, 3)
 
-    def interrupted(_):
-        raise KeyboardInterrupt
+    class Interrupted:
+        def any(self, _):
+            raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        receive_everything(state, open_checkpoint(path).metadata, path, True, interrupted)
+        receive_everything(state, open_checkpoint(path).metadata, path, True, Interrupted())
     assert state["optim"]["state"] == {}
