@@ -182,7 +182,7 @@ def assign_shared_reads(plans: list[LoadPlan], metadata: Metadata, budget: int =
                 seen.add(key)
                 readers_of.setdefault(key, []).append(ranks)
     load: dict[int, int] = {}  # bytes each rank reads for others so far
-    sets: dict[tuple[int, ...], Optional[Ranks]] = {}
+    sets: dict[tuple[int, ...], Ranks] = {}
     heaps: dict[tuple[int, ...], list[tuple[int, int]]] = {}  # per set of members: (its load when pushed, rank)
     through_cache: dict[tuple[int, ...], bool] = {}  # per set: its ranks read through one page cache
     shared: list[SharedItem] = []
