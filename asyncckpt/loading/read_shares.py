@@ -29,12 +29,13 @@ Ranks = range | tuple[int, ...]  # (a range where the ranks are evenly spaced: D
 
 @dataclass(frozen=True)
 class SharedItem:
-    """One stored item several ranks read: its bytes in its file, who reads it from storage."""
+    """One stored item several ranks read: its bytes in its file, who reads it from storage (of
+    `ReadShares.checked`: who checks it, every member reading it)."""
 
     relative_path: str
     offset: int
     length: int
-    reader: int  # the rank of the load's group that reads it
+    reader: int  # the rank of the load's group that reads it (checks it)
     # every rank of the group that needs it (the reader among them); one object per set (and not
     # hashed with the item: a stored item is shared once, and a tuple of 16,384 ranks is slow to hash)
     members: Ranks = field(compare=False)
@@ -43,8 +44,8 @@ class SharedItem:
 @dataclass(frozen=True)
 class ReadShares:
     """The coordinator's verdict, sent to every rank with its plan (`LoadPlan.storage_data`):
-    the shared items, every rank's node and the load's id (it names the readers' files in shared
-    memory). Its size does not grow with ranks x items: each set of members is one object (a
+    the shared items, the items one rank of a node checks for the others (`checked`), every
+    rank's node and the load's id (it names the readers' files in shared memory). Its size does not grow with ranks x items: each set of members is one object (a
     range where it can be), which every item refers to, and the nodes are runs of consecutive
     ranks (`node_runs`: (first rank, node number); -1: a rank that shares no memory)."""
 
@@ -86,7 +87,8 @@ class ReadShares:
     def reads_itself(self, rank: int, reader: int) -> bool:
         """Whether `rank` reads the items of `reader` from storage itself: the ranks of one node
         read a file system through the node's page cache, which reads the storage once for them
-        all (each rank copying and checking from the cache is cheaper than any hand-over)."""
+        all (each rank copying from the cache is cheaper than any hand-over; it does not check
+        again what the reader says it verified)."""
         return self.page_cache and rank != reader and self.same_node(rank, reader)
 
     def local_receivers(self, reader: int) -> bool:
@@ -145,17 +147,20 @@ class ReadShares:
 @dataclass(frozen=True)
 class PlanNote:
     """What each rank's local plan tells the coordinator (`LoadPlan.storage_data`): its node
-    (node_share.node_key) and a digest of the stored items it reads, so that ranks reading the
-    same items (DDP: all of them) are one group, whose items the coordinator goes through once."""
+    (node_share.node_key), a digest of the stored items it reads, so that ranks reading the
+    same items (DDP: all of them) are one group, whose items the coordinator goes through once,
+    and whether it checks checksums (a sidecar, `checksums=True`): only then may it check an item
+    for its node's ranks."""
 
     node: str
     items_digest: str
+    checks: bool = True
 
 
-def plan_note(plan: LoadPlan, node: str) -> PlanNote:
+def plan_note(plan: LoadPlan, node: str, checks: bool = True) -> PlanNote:
     """This rank's note (computed by every rank, in parallel: O(its items))."""
     keys = sorted((req.storage_index.fqn, tuple(req.storage_index.offset or ())) for req in plan.items)
-    return PlanNote(node, hashlib.blake2b(repr(keys).encode(), digest_size=16).hexdigest())
+    return PlanNote(node, hashlib.blake2b(repr(keys).encode(), digest_size=16).hexdigest(), checks)
 
 
 def assign_shared_reads(plans: list[LoadPlan], metadata: Metadata, budget: int = SHARED_BYTES_MAX,
@@ -165,9 +170,11 @@ def assign_shared_reads(plans: list[LoadPlan], metadata: Metadata, budget: int =
     once; then O(log ranks) per item: at 16,384 DDP ranks the coordinator does no ranks x items
     work (DCP's gather of the plans does it once already). `page_cache`: the checkpoint is on a
     file system, whose page cache the ranks of a node share (`ReadShares.reads_itself`): an item
-    only ranks of one node read is not shared: each reads it, one of them checks it (`checked`)."""
+    only ranks of one node read is not shared: each reads it, one of them checks it (`checked`;
+    where every rank checks checksums, else each checks its own)."""
     infos = metadata.storage_data
     shares = ReadShares((), _node_runs(plans), uuid.uuid4().hex[:12], page_cache)
+    one_check = all(not isinstance(p.storage_data, PlanNote) or p.storage_data.checks for p in plans)
     groups: dict[object, list[int]] = {}
     for rank, plan in enumerate(plans):
         note = plan.storage_data
@@ -197,8 +204,8 @@ def assign_shared_reads(plans: list[LoadPlan], metadata: Metadata, budget: int =
             sets[members] = _compact(members)
             heaps[members] = [(load.get(r, 0), r) for r in members]
             heapq.heapify(heaps[members])
-        if not through_cache[members] and held + length > budget:
-            continue  # (read by every rank that needs it)
+        if (not through_cache[members] and held + length > budget) or (through_cache[members] and not one_check):
+            continue  # (read, and checked, by every rank that needs it)
         reader = _least_loaded(heaps[members], load)  # spread: ~1/k of the bytes each
         load[reader] = load.get(reader, 0) + length
         heapq.heappush(heaps[members], (load[reader], reader))

@@ -9,7 +9,9 @@ point over gloo, once per node (to one of its ranks, the relay, which checks it 
 the others of its node through a file in shared memory). To the ranks of its own node: through
 a file in shared memory (node_share.py) on an object store, while on a file system they read it
 themselves, through the page cache their node shares (`ReadShares.reads_itself`: the storage is
-read once per node, and copying from the cache is cheaper than any hand-over). An item is
+read once per node, and copying from the cache is cheaper than any hand-over; they do not check
+again what the reader verified, and of an item only one node's ranks read, one checks it for the
+others: `ReadShares.checked`). An item is
 checked against the sidecar's checksum by its reader (when the load checks checksums); a rank that copies it from the memory it
 was checked in (or from a relay's file, the relay having checked it against the reader's CRC32C)
 checks its length, one that received it over gloo its CRC32C too (or its load checks the

@@ -151,7 +151,9 @@ class SafeReader(StorageReader):
         memory inside a node)."""
         if self.sidecar is not None and self.sidecar.parts:
             self._load_parts_for({self.metadata.storage_data[req.storage_index].relative_path for req in plan.items})
-        return dataclasses.replace(plan, storage_data=plan_note(plan, node_key())) if self.shared_by is not None else plan
+        if self.shared_by is None:
+            return plan
+        return dataclasses.replace(plan, storage_data=plan_note(plan, node_key(), self.use_checksums and self.sidecar is not None))
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         if self.shared_by is not None:  # resume at scale: items several ranks read, read once (replicated.py)

@@ -472,6 +472,8 @@ def test_the_plans_stay_small_at_thousands_of_ranks(layout):
     from torch.distributed.checkpoint.metadata import MetadataIndex
     from torch.distributed.checkpoint.planner import LoadPlan
 
+    from dataclasses import replace
+
     from asyncckpt.loading.read_shares import assign_shared_reads, plan_note
 
     ranks, items, per_node, shards = 4096, 300, 8, 16
@@ -503,6 +505,9 @@ def test_the_plans_stay_small_at_thousands_of_ranks(layout):
         assert through_cache.items == () and len(through_cache.checked) == items
         assert {i.reader for i in through_cache.checked} == set(range(per_node))
         assert assign_shared_reads(one_node, SimpleNamespace(storage_data=storage)) is not one_node
+        # a rank that checks no checksum (checksums=False, no sidecar) checks nothing for the others
+        unchecking = [LoadPlan(p.items, storage_data=replace(p.storage_data, checks=r != 3)) for r, p in enumerate(one_node)]
+        assert assign_shared_reads(unchecking, SimpleNamespace(storage_data=storage), page_cache=True) is unchecking
     else:  # (HSDP's first eight ranks read nothing twice: 16 shards)
         assert on_one_node is one_node
 
