@@ -191,6 +191,10 @@ class SafeReader(StorageReader):
             for item in items:  # read through the page cache of a node whose other rank checks them
                 if item.req.type != LoadItemType.BYTE_IO and (item.path, item.start, item.length) in elsewhere:
                     item.expected_crc = None
+        if shares is not None:
+            log.debug("%s: %d items shared between ranks, %d checked once per node; this rank checks %d of its %d",
+                      self.path, len(shares.items), len(shares.checked),
+                      sum(item.expected_crc is not None for item in items), len(items))
         objects = [item for item in items if item.req.type == LoadItemType.BYTE_IO]
         unread = items
         if objects and not self.trusted:  # read apart, first: nothing of the state is written yet
