@@ -183,15 +183,15 @@ class SafeReader(StorageReader):
         source = self._source()
         if sharing:  # resume at scale: read once, broadcast (replicated.py)
             source = share_reads(shares, self.shared_by, files, source, self._expected_crc, sidecar)
-            for item in items:  # checked by the rank that read them, in the memory this rank copies them from
-                if (item.path, item.start, item.length) in source.checked:
-                    item.expected_crc = None
-        if shares is not None and shares.checked and self.shared_by is not None:
+        if shares is not None and self.shared_by is not None:
+            # not checked again: what the rank that read it checked in the memory (or page cache) this rank
+            # copies it from; a tensor only ranks of this node read, checked by one of them
+            copied = source.checked if sharing else frozenset()
             elsewhere = {(files[path], offset, length) for path, offset, length in shares.checked_elsewhere(self.shared_by.rank)}
-            for item in items:  # read through the page cache of a node whose other rank checks them
-                if item.req.type != LoadItemType.BYTE_IO and (item.path, item.start, item.length) in elsewhere:
+            for item in items:
+                key = (item.path, item.start, item.length)
+                if key in copied or (key in elsewhere and item.req.type != LoadItemType.BYTE_IO):
                     item.expected_crc = None
-        if shares is not None:
             log.debug("%s: %d items shared between ranks, %d checked once per node; this rank checks %d of its %d",
                       self.path, len(shares.items), len(shares.checked),
                       sum(item.expected_crc is not None for item in items), len(items))
